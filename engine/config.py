@@ -1,0 +1,240 @@
+"""The run configuration: one frozen pydantic model, loadable from YAML.
+
+Field names follow XTuner v1's ``BaseRLTrainerConfig`` where a field exists there (``load_from``,
+``train_batch_size``, ``sync_weights_interval``, ...), so XTuner users feel at home. Every knob is a
+field; nothing is read from environment variables. Cross-field rules raise ``ValueError`` with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetConfig(_Frozen):
+    """A prompt dataset: Parquet or JSONL, local or any fsspec URI."""
+
+    path: str = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    data_source_key: str = "data_source"
+    task_name_key: str = "task_name"
+    max_prompt_length: int = Field(
+        1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
+    )
+    storage_options: dict[str, str] = Field(default_factory=dict, description="Passed to fsspec (e.g. S3 endpoint).")
+    limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")
+
+
+class RolloutConfig(_Frozen):
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers runs anywhere (CPU default); vllm needs an accelerator."
+    )
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_new_tokens: int = Field(8, gt=0)
+    stop_token_ids: tuple[int, ...] = Field((), description="Extra stop tokens; the tokenizer's eos always stops.")
+    eval_temperature: float = Field(0.0, ge=0.0, description="Evaluation samples greedily by default.")
+    eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only.")
+    sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")
+
+
+class RewardConfig(_Frozen):
+    function: str = Field(
+        "engine.tiny.reverse_task:score",
+        description="`module:function` taking the sample dict and returning a float or a dict with 'score'.",
+    )
+    by_data_source: dict[str, str] = Field(
+        default_factory=dict, description="Per-data_source overrides of `function`."
+    )
+    timeout_s: float = Field(10.0, gt=0.0, description="A call past this marks its sample FAILED.")
+    num_workers: int = Field(1, ge=1, description="Processes scoring in parallel (isolated from the trainer).")
+
+
+class AdvantageConfig(_Frozen):
+    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k"] = "grpo"
+    eps: float = Field(1e-4, gt=0.0, description="Added to the group std (GRPO) to avoid dividing by zero.")
+    pass_at_k: int = Field(4, gt=0, description="k of the pass@k estimator.")
+    correct_threshold: float = Field(0.5, description="pass@k: a reward above this counts as correct.")
+
+
+class RolloutISConfig(_Frozen):
+    """Importance-sampling correction for the train/rollout policy mismatch."""
+
+    level: Literal["none", "token", "sequence"] = "none"
+    mode: Literal["truncate", "mask"] = "truncate"
+    upper: float = Field(2.0, gt=1.0)
+    lower: float | None = Field(None, gt=0.0, lt=1.0, description="mask mode only; default 1/upper.")
+
+
+class LossConfig(_Frozen):
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.2, gt=0.0, description="Clip-higher (DAPO) when larger than clip_eps_low.")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the initial (reference) model; 0 loads none.")
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+
+
+class OptimConfig(_Frozen):
+    lr: float = Field(3e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Counted in optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrainWorkerConfig(_Frozen):
+    optimizer_steps: int = Field(1, gt=0, description="Mini-batches (optimizer steps) per rollout batch.")
+    pack_max_length: int = Field(4096, gt=0, description="Token budget of one micro-batch.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    gradient_checkpointing: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+def validate_intervals(
+    sync_weights_interval: int,
+    checkpoint_interval: int | None,
+    hf_interval: int | None,
+    evaluate_step: int,
+    enable_evaluate: bool,
+) -> None:
+    """Saves and evaluations run on weight-sync steps only, so their intervals must be multiples of it."""
+    if sync_weights_interval <= 0:
+        raise ValueError(f"sync_weights_interval must be positive, got {sync_weights_interval}.")
+    for name, interval in (("checkpoint_interval", checkpoint_interval), ("hf_interval", hf_interval)):
+        if interval is None or interval == -1:
+            continue
+        if interval <= 0:
+            raise ValueError(f"{name} must be positive, or -1 / null to disable it; got {interval}.")
+        if interval % sync_weights_interval:
+            raise ValueError(
+                f"{name}={interval} must be a multiple of sync_weights_interval={sync_weights_interval}, "
+                "because checkpoints and HF exports are written on weight-sync steps only."
+            )
+    if enable_evaluate:
+        if evaluate_step <= 0:
+            raise ValueError(f"evaluate_step must be positive when evaluation is enabled, got {evaluate_step}.")
+        if evaluate_step % sync_weights_interval:
+            raise ValueError(
+                f"evaluate_step={evaluate_step} must be a multiple of sync_weights_interval="
+                f"{sync_weights_interval}, because evaluation runs on weight-sync steps only."
+            )
+
+
+class TrellisConfig(_Frozen):
+    """Everything one RL run needs."""
+
+    load_from: str = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
+    tokenizer_path: str | None = Field(None, description="Defaults to load_from.")
+    train_dataset: DatasetConfig
+    eval_dataset: DatasetConfig | None = None
+    work_dir: str = Field("work_dirs", description="Any fsspec URI: trajectories, checkpoints, logs go here.")
+    experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    storage_options: dict[str, str] = Field(default_factory=dict, description="fsspec options for work_dir.")
+
+    train_batch_size: int = Field(16, gt=0, description="Prompts (groups) per training step.")
+    prompt_repeat_k: int = Field(8, gt=0, description="Samples per prompt: the GRPO group size.")
+    total_train_steps: int | None = None
+    total_epochs: int | None = None
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
+
+    sync_weights_interval: int = 1
+    enable_evaluate: bool = Field(False, description="Needs eval_dataset.")
+    enable_initial_evaluate: bool = False
+    evaluate_step: int = 1
+    checkpoint_interval: int | None = -1
+    checkpoint_maxkeep: int | None = -1
+    hf_interval: int | None = -1
+    hf_max_keep: int | None = -1
+    checkpoint_no_save_optimizer: bool = False
+    checkpoint_no_save_replay_buffer: bool = False
+    auto_resume: bool = False
+
+    seed: int = 42
+    deterministic: bool = Field(False, description="Deterministic kernels and no micro-batch shuffle.")
+    debug_rollout: bool = False
+    debug_train: bool = False
+    debug_rollout_dir: str | None = None
+    exp_tracker: Literal["tensorboard", "jsonl"] = "jsonl"
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> TrellisConfig:
+        if self.debug_rollout and self.debug_train:
+            raise ValueError("debug_rollout and debug_train cannot both be enabled; pick one.")
+        if (self.debug_rollout or self.debug_train) and self.debug_rollout_dir is None:
+            mode = "debug_rollout" if self.debug_rollout else "debug_train"
+            raise ValueError(f"debug_rollout_dir must be set when {mode}=true.")
+        if not self.debug_train and self.total_train_steps is None and self.total_epochs is None:
+            raise ValueError("Either total_train_steps or total_epochs must be set.")
+        if self.total_train_steps is not None and self.total_train_steps <= 0:
+            raise ValueError(f"total_train_steps must be positive, got {self.total_train_steps}.")
+        if self.total_epochs is not None and self.total_epochs <= 0:
+            raise ValueError(f"total_epochs must be positive, got {self.total_epochs}.")
+        validate_intervals(
+            self.sync_weights_interval,
+            self.checkpoint_interval,
+            self.hf_interval,
+            self.evaluate_step,
+            self.enable_evaluate,
+        )
+        for name in ("checkpoint_maxkeep", "hf_max_keep"):
+            keep = getattr(self, name)
+            if keep is not None and keep != -1 and keep <= 0:
+                raise ValueError(f"{name} must be positive, or -1 / null to keep all; got {keep}.")
+        if (self.enable_evaluate or self.enable_initial_evaluate) and self.eval_dataset is None:
+            raise ValueError("Evaluation is enabled but eval_dataset is not set; set one or enable_evaluate=false.")
+        if self.loss.clip_eps_high < self.loss.clip_eps_low:
+            raise ValueError(
+                f"loss.clip_eps_high={self.loss.clip_eps_high} is below loss.clip_eps_low="
+                f"{self.loss.clip_eps_low}; clip-higher only widens the upper bound."
+            )
+        if self.advantage.estimator in ("grpo", "rloo", "pass_at_k") and self.prompt_repeat_k < 2:
+            raise ValueError(
+                f"advantage.estimator={self.advantage.estimator!r} compares samples of one prompt: "
+                f"prompt_repeat_k must be at least 2, got {self.prompt_repeat_k}."
+            )
+        if self.advantage.estimator == "pass_at_k" and self.advantage.pass_at_k > self.prompt_repeat_k:
+            raise ValueError(
+                f"advantage.pass_at_k={self.advantage.pass_at_k} exceeds prompt_repeat_k={self.prompt_repeat_k}."
+            )
+        longest = self.train_dataset.max_prompt_length + self.rollout.max_new_tokens - 1
+        if longest > self.train_worker.pack_max_length:
+            raise ValueError(
+                f"train_worker.pack_max_length={self.train_worker.pack_max_length} cannot hold a sample of "
+                f"train_dataset.max_prompt_length + rollout.max_new_tokens - 1 = {longest} tokens; raise it or "
+                "lower those two."
+            )
+        if self.train_batch_size * self.prompt_repeat_k < self.train_worker.optimizer_steps:
+            raise ValueError(
+                f"train_worker.optimizer_steps={self.train_worker.optimizer_steps} exceeds the "
+                f"{self.train_batch_size * self.prompt_repeat_k} samples of a batch."
+            )
+        return self
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer_path or self.load_from
+
+    @property
+    def run_uri(self) -> str:
+        return f"{self.work_dir.rstrip('/')}/{self.experiment_name}"

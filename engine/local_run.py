@@ -1,0 +1,180 @@
+"""The whole RL loop in one process: no Prefect, no Ray. For notebooks, scripts, tests and benchmarks.
+
+The orchestrated flow runs the same phases, in the same order, with the same names.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import TrellisConfig
+from engine.data import PromptRecord, load_prompts
+from engine.evaluate import evaluation_metrics
+from engine.metrics import JsonlTracker, ThroughputMeter, timer
+from engine.prepare import prepare_train_data
+from engine.preflight import check_inputs
+from engine.produce import ProduceResult, rollout_groups, sampling_params, step_seed
+from engine.rewards import RewardRunner
+from engine.rollout.transformers_backend import TransformersRollout
+from engine.sampler import PromptSampler
+from engine.train_worker import TrainingWorker, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
+    if config.total_train_steps is not None:
+        return config.total_train_steps
+    assert config.total_epochs is not None  # the config validator guarantees one of the two
+    return max(1, dataset_size // config.train_batch_size * config.total_epochs)
+
+
+@dataclass
+class StepReport:
+    step: int
+    metrics: dict[str, float]
+
+
+class LocalRun:
+    """Builds every engine part from a config and runs RL steps in-process."""
+
+    def __init__(self, config: TrellisConfig, *, track: bool = True) -> None:
+        check_inputs(config)
+        self.config = config
+        seed_everything(config.seed, config.deterministic)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_source)
+        prompts, self.train_report = load_prompts(config.train_dataset, self.tokenizer)
+        self.sampler: PromptSampler[PromptRecord] = PromptSampler(prompts, seed=config.seed)
+        self.eval_prompts: list[PromptRecord] = []
+        if config.eval_dataset is not None:
+            self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
+        self.total_train_steps = resolve_total_steps(config, len(prompts))
+        device = resolve_device(config.train_worker.device)
+        rollout_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.backend = TransformersRollout(
+            config.load_from, self.tokenizer, device=str(device), dtype=rollout_dtype, seed=config.seed
+        )
+        self.rewards = RewardRunner(config.reward)
+        self.worker = TrainingWorker(
+            config, total_train_steps=self.total_train_steps, pad_token_id=self.tokenizer.pad_token_id
+        )
+        self.tracker = JsonlTracker(f"{config.run_uri}/logs/metrics.jsonl", config.storage_options) if track else None
+        self.throughput = ThroughputMeter(started_s=time.perf_counter())
+        self.step = 0
+
+    def produce_batch(self, step: int) -> ProduceResult:
+        prompts = self.sampler.sample(self.config.train_batch_size)
+        return rollout_groups(
+            prompts,
+            repeat=self.config.prompt_repeat_k,
+            backend=self.backend,
+            rewards=self.rewards,
+            params=sampling_params(self.config.rollout, seed=step_seed(self.config.seed, step)),
+            train_step=step,
+            id_prefix="train-",
+        )
+
+    def sync_weights(self, step: int) -> None:
+        self.backend.load_weights(self.worker.export_weights(), policy_version=step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        rollout = self.config.rollout
+        produced = rollout_groups(
+            self.eval_prompts,
+            repeat=rollout.eval_samples_per_prompt,
+            backend=self.backend,
+            rewards=self.rewards,
+            params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
+            train_step=step,
+            id_prefix="eval-",
+        )
+        return evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
+
+    def train_step(self) -> StepReport:
+        step = self.step + 1
+        config = self.config
+        timings: dict[str, float] = {}
+        with timer("step", timings):
+            with timer("produce_batch", timings):
+                produced = self.produce_batch(step)
+            with timer("prepare_data", timings):
+                batch = prepare_train_data(
+                    produced.groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2)
+                )
+            with timer("fit", timings):
+                fit = self.worker.fit(batch, step)
+            synced = step % config.sync_weights_interval == 0
+            if synced:
+                with timer("sync_weights", timings):
+                    self.sync_weights(step)
+            eval_metrics: dict[str, float] = {}
+            if synced and config.enable_evaluate and step % config.evaluate_step == 0:
+                with timer("evaluate", timings):
+                    eval_metrics = self.evaluate(step)
+        self.step = step
+        metrics = self._step_metrics(produced, batch.info, fit.metrics, eval_metrics, timings)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
+        return StepReport(step, metrics)
+
+    def run(self, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        reports = []
+        if self.config.enable_initial_evaluate:
+            initial = {f"eval/{k}": v for k, v in self.evaluate(0).items()}
+            if self.tracker is not None:
+                self.tracker.log(initial, 0)
+            reports.append(StepReport(0, initial))
+        while self.step < self.total_train_steps:
+            report = self.train_step()
+            reports.append(report)
+            if on_step is not None:
+                on_step(report)
+        return reports
+
+    def close(self) -> None:
+        self.rewards.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+    def __enter__(self) -> LocalRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _step_metrics(self, produced, data_info, fit_metrics, eval_metrics, timings) -> dict[str, float]:
+        metrics = {f"time/{k}": v for k, v in timings.items()}
+        metrics.update({f"response/{k}": v for k, v in data_info.items()})
+        for key, value in fit_metrics.items():
+            metrics[key if "/" in key else f"train/{key}"] = value
+        if "entropy" in fit_metrics:
+            metrics["entropy/train"] = fit_metrics["entropy"]
+        metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+        metrics["rollout/failed_samples"] = float(produced.failed_samples)
+        metrics["rollout/policy_version"] = float(produced.groups[0][0].policy_version if produced.groups else 0)
+        metrics.update(
+            self.throughput.step_metrics(
+                training_samples=data_info["training_samples"],
+                training_tokens=data_info["training_tokens"],
+                step_s=timings["step"],
+                fit_s=timings["fit"],
+                produce_s=produced.produce_time_s,
+                produced_samples=produced.produced_samples,
+                produced_tokens=produced.produced_tokens,
+            )
+        )
+        return metrics

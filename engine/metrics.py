@@ -1,0 +1,105 @@
+"""Throughput metrics (the reference's seven ``throughput/*``), phase timers and metric trackers."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import fsspec
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Adds the block's wall time to ``timings[name]`` (the ``time/{name}`` metric)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
+
+
+@dataclass
+class ThroughputMeter:
+    """Run-level counters behind ``throughput/e2e_*``; per-step figures come from the step's own numbers.
+
+    sgs / tgs = samples / tokens per second per worker (GPU, or process on CPU).
+    """
+
+    started_s: float
+    train_workers: int = 1
+    rollout_workers: int = 1
+    samples: float = 0.0
+    tokens: float = 0.0
+
+    def step_metrics(
+        self,
+        *,
+        training_samples: float,
+        training_tokens: float,
+        step_s: float,
+        fit_s: float,
+        produce_s: float,
+        produced_samples: float,
+        produced_tokens: float,
+        now_s: float | None = None,
+    ) -> dict[str, float]:
+        self.samples += training_samples
+        self.tokens += training_tokens
+        e2e_s = (now_s if now_s is not None else time.perf_counter()) - self.started_s
+        train, rollout = float(self.train_workers), float(self.rollout_workers)
+        return {
+            "throughput/e2e_effective_sgs": self.samples / max(e2e_s, 1e-9) / train,
+            "throughput/e2e_effective_tgs": self.tokens / max(e2e_s, 1e-9) / train,
+            "throughput/effective_sgs": training_samples / max(step_s, 1e-9) / train,
+            "throughput/effective_tgs": training_tokens / max(step_s, 1e-9) / train,
+            "throughput/training_tgs": training_tokens / max(fit_s, 1e-9) / train,
+            "throughput/rollout_sgs": produced_samples / produce_s / rollout if produce_s > 0 else 0.0,
+            "throughput/rollout_tgs": produced_tokens / produce_s / rollout if produce_s > 0 else 0.0,
+        }
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """One JSON object per step in ``metrics.jsonl`` (any fsspec URI); flushed every step."""
+
+    def __init__(self, uri: str, storage_options: dict[str, str] | None = None) -> None:
+        self._uri = uri
+        self._fs, self._path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
+        self._lines: list[str] = []
+        if self._fs.exists(self._path):
+            with self._fs.open(self._path, "r") as handle:
+                self._lines = handle.read().splitlines()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        # Rewritten whole: object stores have no append, and a resumed run drops lines past its step.
+        self._lines = [line for line in self._lines if json.loads(line)["step"] < step]
+        self._lines.append(json.dumps({"step": step, **metrics}, sort_keys=True))
+        with self._fs.open(self._path, "w") as handle:
+            handle.write("\n".join(self._lines) + "\n")
+
+    def close(self) -> None:
+        """Every line is already written."""
+
+
+class TensorboardTracker:
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

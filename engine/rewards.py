@@ -1,0 +1,142 @@
+"""Reward functions: any ``module:function`` that takes the sample and returns a score.
+
+The function receives one dict (``prompt`` messages, ``response`` text, ``label``, ``data_source``,
+``task_name`` and the dataset's extra columns) and returns a number or a dict holding ``score``.
+Functions run in separate processes: one that raises, returns garbage or runs past its timeout marks
+its sample FAILED with the reason, and never crashes or hangs the step (the stuck process is killed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing
+import re
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pebble import ProcessPool
+
+from engine.config import RewardConfig
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    score: float | None
+    payload: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def resolve_function(spec: str) -> Callable[[dict[str, Any]], Any]:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"Reward function {spec!r} must look like 'package.module:function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"Reward function {spec!r}: cannot import {module_name!r} ({error}).") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"Reward function {spec!r}: {module_name} has no callable {attribute!r}.")
+    return function
+
+
+def call_reward(spec: str, sample: dict[str, Any]) -> Any:
+    """Runs inside a pool process: import by name (cached by Python) and call."""
+    return resolve_function(spec)(sample)
+
+
+def normalize(raw: Any) -> RewardResult:
+    payload = raw if isinstance(raw, dict) else {"score": raw}
+    score = payload.get("score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return RewardResult(None, {}, f"reward function returned {raw!r}; expected a finite number or a dict with 'score'")
+    return RewardResult(float(score), {**payload, "score": float(score)})
+
+
+class RewardRunner:
+    """Scores samples in a pool of worker processes, each call bounded by ``timeout_s``."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self._config = config
+        for spec in (config.function, *config.by_data_source.values()):
+            resolve_function(spec)  # fail at start-up, not mid-run, on a misspelt function
+        # fork, not spawn: spawn re-runs the user's __main__ script in every worker, which breaks any
+        # script without an `if __name__ == "__main__"` guard. Reward code should not use torch threads.
+        self._pool = ProcessPool(max_workers=config.num_workers, context=multiprocessing.get_context("fork"))
+
+    def score(self, samples: list[dict[str, Any]]) -> list[RewardResult]:
+        futures = [
+            self._pool.schedule(call_reward, args=(self._spec_for(sample), sample), timeout=self._config.timeout_s)
+            for sample in samples
+        ]
+        return [self._collect(future) for future in futures]
+
+    def close(self) -> None:
+        self._pool.stop()
+        self._pool.join(timeout=5)
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spec_for(self, sample: dict[str, Any]) -> str:
+        return self._config.by_data_source.get(sample.get("data_source", ""), self._config.function)
+
+    def _collect(self, future) -> RewardResult:
+        try:
+            return normalize(future.result())
+        except FutureTimeout:
+            return RewardResult(None, {}, f"reward function timed out after {self._config.timeout_s:g}s")
+        except Exception as error:  # the user's function raised: keep the message, fail the sample only
+            return RewardResult(None, {}, f"reward function raised {type(error).__name__}: {error}")
+
+
+# Built-in reward functions -------------------------------------------------------------------------
+
+
+def exact_match(sample: dict[str, Any]) -> float:
+    """1.0 iff the stripped response equals the stripped label."""
+    return 1.0 if str(sample["response"]).strip() == str(sample["label"]).strip() else 0.0
+
+
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def math_answer(sample: dict[str, Any]) -> dict[str, Any]:
+    """Verify a math answer: the last ``\\boxed{...}`` (else the last number) against the label.
+
+    Numbers compare by value (``1,000`` == ``1000.0``, ``3/4`` == ``0.75``); other answers compare
+    as whitespace-free strings.
+    """
+    response = str(sample["response"])
+    boxed = _BOXED.findall(response)
+    if boxed:
+        answer = boxed[-1]
+    else:
+        numbers = _NUMBER.findall(response)
+        answer = numbers[-1] if numbers else ""
+    correct = _same_answer(answer, str(sample["label"]))
+    return {"score": 1.0 if correct else 0.0, "extracted": answer}
+
+
+def _same_answer(answer: str, label: str) -> bool:
+    left, right = _as_number(answer), _as_number(label)
+    if left is not None and right is not None:
+        return math.isclose(left, right, rel_tol=1e-9, abs_tol=1e-9)
+    return "".join(answer.split()) == "".join(label.split()) != ""
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip().replace(",", "").removeprefix("$").removesuffix("$")
+    try:
+        if "/" in text:
+            numerator, denominator = text.split("/", 1)
+            return float(numerator) / float(denominator)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None

@@ -1,0 +1,171 @@
+"""Rollout on a transformers model: a lean batched sampling loop over a KV cache.
+
+``model.generate`` costs several milliseconds of Python per decode step and does not return
+logprobs of the sampled tokens by default; for RL we need exactly those, so this loop computes them
+from the same logits it samples from.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
+
+from engine.rollout.base import Generation, SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+class TransformersRollout:
+    """A rollout backend over a local HF model (CPU, or one GPU for small checks)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._device = torch.device(device)
+        self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self._device).eval()
+        self._model.requires_grad_(False)
+        self._policy_version = 0
+        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._eos_ids = tuple(sorted(_eos_ids(tokenizer, self._model)))
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        stop_ids = torch.tensor(sorted(set(self._eos_ids) | set(params.stop_token_ids)), device=self._device)
+
+        input_ids, attention_mask = self._left_pad(prompts)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        batch = len(prompts)
+        finished = torch.zeros(batch, dtype=torch.bool, device=self._device)
+        tokens_BT = torch.full((batch, params.max_new_tokens), self._pad_id, device=self._device)
+        logprobs_BT = torch.zeros(batch, params.max_new_tokens, device=self._device)
+        lengths_B = torch.zeros(batch, dtype=torch.long, device=self._device)
+
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        for t in range(params.max_new_tokens):
+            token_B, logprob_B = sample_tokens(logits, params, generator)
+            alive = ~finished
+            tokens_BT[:, t] = torch.where(alive, token_B, self._pad_id)
+            logprobs_BT[:, t] = torch.where(alive, logprob_B, 0.0)
+            lengths_B += alive.long()
+            finished |= torch.isin(token_B, stop_ids)
+            if bool(finished.all()) or t == params.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            logits = self._forward(tokens_BT[:, t : t + 1], attention_mask, position_ids, cache)
+
+        return self._to_generations(tokens_BT, logprobs_BT, lengths_B, finished)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        with torch.no_grad():
+            self._model.load_state_dict(state_dict, strict=True)
+        self._policy_version = policy_version
+
+    def offload(self) -> None:
+        """Weights stay put: on CPU there is no accelerator memory to give back."""
+
+    def onload(self) -> None:
+        """Nothing was offloaded; see ``offload``."""
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self._model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        return input_ids.to(self._device), attention_mask.to(self._device)
+
+    def _to_generations(self, tokens_BT, logprobs_BT, lengths_B, finished_B) -> list[Generation]:
+        tokens = tokens_BT.tolist()
+        logprobs = logprobs_BT.float().tolist()
+        lengths = lengths_B.tolist()
+        stopped = finished_B.tolist()
+        responses = [tokens[row][: lengths[row]] for row in range(len(tokens))]
+        texts = self._tokenizer.batch_decode(responses, skip_special_tokens=True)
+        return [
+            Generation(
+                response_ids=responses[row],
+                logprobs=logprobs[row][: lengths[row]],
+                text=texts[row],
+                finish_reason="stop" if stopped[row] else "length",
+            )
+            for row in range(len(tokens))
+        ]
+
+
+def sample_tokens(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return it with its logprob under ``logits / temperature``.
+
+    The logprob is taken before top-k / top-p truncation, which is what the trainer recomputes from
+    the same logits; truncation only decides which tokens may be drawn.
+    """
+    if params.temperature == 0.0:
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+        token_B = logprobs_BV.argmax(dim=-1)
+        return token_B, logprobs_BV.gather(-1, token_B[:, None]).squeeze(-1)
+    logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+    masked_BV = _truncate(logprobs_BV, params.top_k, params.top_p)
+    probs_BV = torch.softmax(masked_BV, dim=-1)
+    token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    return token_B, logprobs_BV.gather(-1, token_B[:, None]).squeeze(-1)
+
+
+def _truncate(logprobs_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logprobs_BV.size(-1):
+        kth_B1 = torch.topk(logprobs_BV, top_k, dim=-1).values[:, -1:]
+        logprobs_BV = logprobs_BV.masked_fill(logprobs_BV < kth_B1, _NEG_INF)
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(logprobs_BV, dim=-1, descending=True)
+        cumulative_BV = sorted_BV.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted_BV = cumulative_BV - sorted_BV.softmax(dim=-1) >= top_p  # keep the token that crosses p
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        logprobs_BV = logprobs_BV.masked_fill(drop_BV, _NEG_INF)
+    return logprobs_BV
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_eos = model.generation_config.eos_token_id
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(int(i) for i in generation_eos)
+    if not ids:
+        raise ValueError("Neither the tokenizer nor the model's generation_config names an eos token.")
+    return ids

@@ -1,0 +1,122 @@
+"""Build the tiny tokenizer and Qwen2 model offline, warm them up on the task, save an HF checkpoint.
+
+No model hub is reachable from CI, so trellis makes its own ~1M-parameter policy that starts at
+roughly 39% greedy accuracy on the reverse task and has room to learn (recipe: shared/TINY_TASK.md).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from engine.tiny.reverse_task import make_example
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WARMUP_STEPS = 60  # accuracy jumps sharply between steps 50 and 70: the count is pinned on purpose
+WARMUP_BATCH = 64
+# The warm-up's outcome swings with its data stream (greedy 36-84% over seeds 1-5); seed 2 lands where
+# the recipe says (greedy ~40%, sampled ~13%), leaving the RL run something to learn.
+WARMUP_SEED = 2
+
+
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(2000):
+        prompt, answer = make_example(rng)
+        lines.append(f"{IM_START}user\n{prompt}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex("[0-9A-Z]"), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[PAD, IM_START, IM_END],
+    )
+    core.train_from_iterator(lines, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=IM_END, pad_token=PAD, padding_side="left"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    return model
+
+
+def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int = WARMUP_SEED) -> None:
+    """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    model.train()
+    for _ in range(WARMUP_STEPS):
+        input_ids, labels = _supervised_batch(tokenizer, rng)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def _supervised_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    rows: list[tuple[list[int], list[int]]] = []
+    for _ in range(WARMUP_BATCH):
+        prompt, answer = make_example(rng)
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        answer_ids = tokenizer(answer + IM_END, add_special_tokens=False)["input_ids"]
+        rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for row, (ids, targets) in enumerate(rows):  # right padding: positions stay 0..n-1
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(targets)] = torch.tensor(targets)
+    return input_ids, labels
+
+
+def build_tiny_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
+    """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    if warmup:
+        warm_up(model, tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,41 @@
+"""The bundled task: reverse a word of 3-6 capital letters. ``reverse QWXZ`` -> ``ZXWQ``."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+DATA_SOURCE = "reverse"
+EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a separate random stream
+
+
+def make_example(rng: random.Random) -> tuple[str, str]:
+    word = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(3, 6)))
+    return f"reverse {word}", word[::-1]
+
+
+def make_rows(count: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        prompt, answer = make_example(rng)
+        rows.append({"prompt": prompt, "label": answer, "data_source": DATA_SOURCE, "task_name": "reverse"})
+    return rows
+
+
+def write_dataset(path: str | Path, count: int, seed: int) -> Path:
+    """Write ``count`` prompts as Parquet (the format trellis reads by default)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(make_rows(count, seed)), path)
+    return path
+
+
+def score(sample: dict[str, Any]) -> float:
+    """1.0 iff the stripped response equals the reversed word."""
+    return 1.0 if str(sample["response"]).strip() == str(sample["label"]) else 0.0

@@ -1,0 +1,237 @@
+"""The training worker: a plain class that owns the policy, its optimizer and the PPO-style update.
+
+It is used in-process by ``engine.local_run`` and wrapped as a Ray actor by the orchestration layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import TrellisConfig
+from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights, token_entropy, token_logprobs
+from engine.packing import MicroBatch, pack, to_padded
+from engine.prepare import PreparedBatch, TrainSequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """What one ``fit`` reports: per-mini-batch metrics and step-level averages."""
+
+    step: int
+    mini_batch_metrics: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StepAlreadyApplied(RuntimeError):
+    """``fit`` was called again for a step whose update is already in the weights."""
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def lr_factor(step: int, *, warmup: int, total: int, kind: str, min_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+class TrainingWorker:
+    def __init__(self, config: TrellisConfig, *, total_train_steps: int, pad_token_id: int) -> None:
+        self._config = config
+        self._device = resolve_device(config.train_worker.device)
+        self._autocast = self._device.type == "cuda" and config.train_worker.dtype in ("auto", "bfloat16")
+        # Parameters and AdamW states stay float32; on GPU the forward runs under bf16 autocast.
+        self.model = AutoModelForCausalLM.from_pretrained(config.load_from, dtype=torch.float32).to(self._device)
+        if config.train_worker.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.config.use_cache = False
+        self._reference = self._build_reference() if config.loss.kl_coef > 0 else None
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            foreach=self._device.type == "cpu",
+            fused=self._device.type == "cuda",
+        )
+        total_optimizer_steps = total_train_steps * config.train_worker.optimizer_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(
+                s, warmup=optim.warmup_steps, total=total_optimizer_steps, kind=optim.lr_scheduler, min_ratio=optim.min_lr_ratio
+            ),
+        )
+        self._pad_id = pad_token_id
+        self._temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+        self.applied_step = 0
+
+    # -- the update ---------------------------------------------------------------------------------
+
+    def fit(self, batch: PreparedBatch, step: int) -> FitResult:
+        """Apply one rollout batch as ``optimizer_steps`` PPO mini-batch updates."""
+        if step <= self.applied_step:
+            raise StepAlreadyApplied(f"Step {step} is already applied (weights are at step {self.applied_step}).")
+        result = FitResult(step=step)
+        if not batch.sequences:
+            logger.warning("Step %d has no valid training sequences; the weights are left unchanged.", step)
+            self.applied_step = step
+            return result
+        self.model.train()
+        mini_batches = _split(batch.sequences, self._config.train_worker.optimizer_steps)
+        # With one mini-batch the policy is still the rollout-time policy when the loss is taken, so
+        # the "old" logprobs are the current ones detached and need no extra forward pass.
+        needs_old = len(mini_batches) > 1
+        for sequences in mini_batches:
+            micro = [to_padded(sequences, idx, self._pad_id).to(self._device) for idx in pack(sequences, self._config.train_worker.pack_max_length)]
+            old = [self._logprobs_no_grad(self.model, m) for m in micro] if needs_old else None
+            ref = [self._logprobs_no_grad(self._reference, m) for m in micro] if self._reference is not None else None
+            result.mini_batch_metrics.append(self._update(micro, old, ref))
+        result.metrics = _average(result.mini_batch_metrics)
+        self.applied_step = step
+        return result
+
+    def _update(self, micro: list[MicroBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
+        loss_config = self._config.loss
+        total_tokens = float(sum(int(m.loss_mask_NL.sum()) for m in micro))
+        total_sequences = float(sum(m.input_ids_NL.size(0) for m in micro))
+        sums: dict[str, float] = defaultdict(float)
+        maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
+        minima: dict[str, float] = defaultdict(lambda: float("inf"))
+        for index, batch in enumerate(micro):
+            mask = batch.loss_mask_NL
+            with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
+                logits = self.model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+            logprobs = token_logprobs(logits, batch.labels_NL, self._temperature)
+            old_logprobs = old[index] if old is not None else logprobs.detach()
+            is_weights = None
+            if loss_config.rollout_is.level != "none":
+                is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
+                sums["rollout_is/weight_sum"] += float(is_stats["weight_sum"])
+                sums["rollout_is/rejected"] += float(is_stats["rejected"])
+                maxima["rollout_is/max"] = max(maxima["rollout_is/max"], float(is_stats["weight_max"]))
+                minima["rollout_is/min"] = min(minima["rollout_is/min"], float(is_stats["weight_min"]))
+            pg_loss, kl, counts = policy_objective(
+                logprobs,
+                old_logprobs,
+                batch.advantages_NL,
+                mask,
+                loss_config,
+                is_weights_NL=is_weights,
+                ref_logprobs_NL=ref[index] if ref is not None else None,
+            )
+            reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
+            loss = aggregate(pg_loss, mask, **reduce)
+            sums["pg_loss"] += float(loss.detach())
+            if kl is not None:
+                kl_loss = aggregate(kl, mask, **reduce)
+                loss = loss + loss_config.kl_coef * kl_loss
+                sums["kl"] += float(kl_loss.detach())
+            loss.backward()
+            for name, value in counts.items():
+                sums[name] += float(value)
+            sums["entropy_sum"] += float((token_entropy(logits.detach()) * mask).sum())
+            for name, value in mismatch_sums(old_logprobs.detach(), batch.rollout_logprobs_NL, mask).items():
+                if name.endswith("_max"):
+                    maxima[f"mismatch/{name}"] = max(maxima[f"mismatch/{name}"], float(value))
+                else:
+                    sums[f"mismatch/{name}"] += float(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("Non-finite grad norm %s: this mini-batch's update is skipped.", float(grad_norm))
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return _mini_batch_metrics(sums, maxima, minima, total_tokens, float(grad_norm), lr)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            logits = model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+        return token_logprobs(logits, batch.labels_NL, self._temperature)
+
+    def _build_reference(self) -> torch.nn.Module:
+        reference = copy.deepcopy(self.model).eval()
+        reference.requires_grad_(False)
+        return reference
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Weights for the rollout backend (detached views; the receiver copies them)."""
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state to CPU (a no-op when training on CPU)."""
+        self._move(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move(self._device)
+
+    def _move(self, device: torch.device) -> None:
+        if self._device.type == "cpu":
+            return
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+
+def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:
+    size = math.ceil(len(sequences) / parts)
+    return [sequences[i : i + size] for i in range(0, len(sequences), size)]
+
+
+def _mini_batch_metrics(sums, maxima, minima, tokens: float, grad_norm: float, lr: float) -> dict[str, float]:
+    tokens = max(tokens, 1.0)
+    metrics = {
+        "pg_loss": sums["pg_loss"],
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "entropy": sums["entropy_sum"] / tokens,
+        "clipfrac_low": sums["clipped_low"] / tokens,
+        "clipfrac_high": sums["clipped_high"] / tokens,
+        "clipfrac": (sums["clipped_low"] + sums["clipped_high"]) / tokens,
+    }
+    if "dual_clipped" in sums:
+        metrics["dual_clipfrac"] = sums["dual_clipped"] / tokens
+    if "kl" in sums:
+        metrics["kl"] = sums["kl"]
+    metrics["mismatch/k3_kl"] = sums["mismatch/k3_kl"] / tokens
+    metrics["mismatch/abs_logprob_diff"] = sums["mismatch/abs_logprob_diff"] / tokens
+    metrics["mismatch/abs_logprob_diff_max"] = maxima["mismatch/abs_logprob_diff_max"]
+    metrics["mismatch/train_ppl"] = math.exp(sums["mismatch/train_nll"] / tokens)
+    metrics["mismatch/rollout_ppl"] = math.exp(sums["mismatch/rollout_nll"] / tokens)
+    metrics["entropy/rollout"] = sums["mismatch/rollout_nll"] / tokens  # sampled-token NLL estimates entropy
+    if "rollout_is/weight_sum" in sums:
+        metrics["rollout_is/mean"] = sums["rollout_is/weight_sum"] / tokens
+        metrics["rollout_is/max"] = maxima["rollout_is/max"]
+        metrics["rollout_is/min"] = minima["rollout_is/min"]
+        metrics["rollout_is/rejected_fraction"] = sums["rollout_is/rejected"] / tokens
+    return metrics
+
+
+def _average(mini_batches: list[dict[str, float]]) -> dict[str, float]:
+    keys = mini_batches[0].keys() if mini_batches else []
+    return {key: sum(m[key] for m in mini_batches) / len(mini_batches) for key in keys}

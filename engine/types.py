@@ -1,0 +1,58 @@
+"""The record every rollout produces: one ``RolloutSample`` per sampled response.
+
+It is what the replay buffer holds, what data preparation consumes and what the trajectory lake
+stores (one Parquet row each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"  # the reward function or the backend failed on this sample
+    FILTERED = "filtered"  # dropped on purpose by a filter
+    ABORTED = "aborted"  # generation was stopped before it finished (e.g. a partial async rollout)
+
+
+@dataclass
+class RolloutSample:
+    rollout_id: str
+    group_id: str
+    session_id: str
+    prompt_index: int
+    messages: list[dict[str, str]]
+    prompt_ids: list[int]
+    label: Any
+    data_source: str
+    task_name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    response: str = ""
+    finish_reason: str = ""
+    response_mask: list[int] | None = None  # 0 marks tool-output tokens that are not trained on
+    status: Status = Status.COMPLETED
+    error: str | None = None
+    reward: float | None = None
+    reward_payload: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0
+    train_step: int = 0
+
+    def reward_input(self) -> dict[str, Any]:
+        """What a reward function sees."""
+        return {
+            **self.extra,
+            "prompt": self.messages,
+            "response": self.response,
+            "label": self.label,
+            "data_source": self.data_source,
+            "task_name": self.task_name,
+        }
+
+    def fail(self, error: str) -> None:
+        self.status = Status.FAILED
+        self.error = error

@@ -1,0 +1,42 @@
+"""The command line as a new user meets it: clear messages and non-zero exits, no tracebacks."""
+
+import subprocess
+import sys
+
+
+def trellis(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_unknown_key_and_negative_interval_are_reported_without_traceback(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("load_from: m\ntrain_dataset: {path: d}\ntotal_train_steps: 3\ntrain_batch_sise: 4\ncheckpoint_interval: -3\n")
+    result = trellis("train", str(config))
+    assert result.returncode == 2
+    assert "did you mean 'train_batch_size'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_model_path_is_reported_before_anything_starts(tmp_path, reverse_data):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"load_from: {tmp_path}/no-model\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 3\n")
+    result = trellis("train", str(config))
+    assert result.returncode == 2
+    assert f"load_from: {tmp_path}/no-model does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_tiny_model_then_train_end_to_end(tmp_path):
+    built = trellis("tiny-model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data"))
+    assert built.returncode == 0, built.stderr
+    result = trellis(
+        "train", "configs/tiny_reverse.yaml",
+        "--set", f"load_from={tmp_path}/tiny",
+        "--set", f"train_dataset.path={tmp_path}/data/train.parquet",
+        "--set", f"eval_dataset.path={tmp_path}/data/eval.parquet",
+        "--set", f"work_dir={tmp_path}/runs",
+        "--set", "total_train_steps=2", "--set", "evaluate_step=1", "--set", "eval_dataset.limit=32",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "eval accuracy" in result.stdout
+    assert (tmp_path / "runs" / "tiny_reverse" / "logs" / "metrics.jsonl").exists()

@@ -1,0 +1,84 @@
+"""Every validation rule of the config, each with the message a user sees."""
+
+import pytest
+
+from engine.config_loading import ConfigError, load_config
+
+BASE = {"load_from": "/models/tiny", "train_dataset": {"path": "train.parquet"}, "total_train_steps": 10}
+
+
+def check(message: str, **changes):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, **{**BASE, **changes})
+    assert message in str(error.value), str(error.value)
+
+
+def test_a_minimal_config_is_valid_and_frozen():
+    config = load_config(None, **BASE)
+    assert config.train_batch_size == 16 and config.prompt_repeat_k == 8
+    assert config.tokenizer_source == "/models/tiny"
+    with pytest.raises(Exception):
+        config.seed = 1  # configs are frozen: derived values live in run state
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"debug_rollout": True, "debug_train": True, "debug_rollout_dir": "d"}, "cannot both be enabled"),
+        ({"debug_rollout": True}, "debug_rollout_dir must be set when debug_rollout=true"),
+        ({"debug_train": True}, "debug_rollout_dir must be set when debug_train=true"),
+        ({"total_train_steps": None}, "Either total_train_steps or total_epochs must be set"),
+        ({"total_train_steps": 0}, "total_train_steps must be positive, got 0"),
+        ({"total_train_steps": None, "total_epochs": -1}, "total_epochs must be positive, got -1"),
+        ({"sync_weights_interval": 0}, "sync_weights_interval must be positive, got 0"),
+        ({"checkpoint_interval": -5}, "checkpoint_interval must be positive, or -1 / null to disable it; got -5"),
+        ({"hf_interval": 0}, "hf_interval must be positive"),
+        ({"sync_weights_interval": 2, "checkpoint_interval": 3}, "checkpoint_interval=3 must be a multiple of sync_weights_interval=2"),
+        ({"sync_weights_interval": 2, "hf_interval": 5}, "hf_interval=5 must be a multiple of sync_weights_interval=2"),
+        ({"enable_evaluate": True, "eval_dataset": {"path": "e"}, "evaluate_step": 0}, "evaluate_step must be positive"),
+        (
+            {"enable_evaluate": True, "eval_dataset": {"path": "e"}, "sync_weights_interval": 2, "evaluate_step": 3},
+            "evaluate_step=3 must be a multiple of sync_weights_interval=2",
+        ),
+        ({"checkpoint_maxkeep": 0}, "checkpoint_maxkeep must be positive, or -1 / null to keep all; got 0"),
+        ({"enable_evaluate": True}, "eval_dataset is not set"),
+        ({"loss": {"clip_eps_low": 0.3, "clip_eps_high": 0.2}}, "clip-higher only widens the upper bound"),
+        ({"prompt_repeat_k": 1}, "prompt_repeat_k must be at least 2"),
+        ({"advantage": {"estimator": "pass_at_k", "pass_at_k": 16}}, "advantage.pass_at_k=16 exceeds prompt_repeat_k=8"),
+        ({"train_batch_size": 1, "prompt_repeat_k": 2, "train_worker": {"optimizer_steps": 4}}, "exceeds the 2 samples"),
+        ({"train_worker": {"pack_max_length": 64}}, "pack_max_length=64 cannot hold a sample"),
+        ({"rollout": {"temperature": -1}}, "rollout.temperature: Input should be greater than or equal to 0"),
+        ({"experiment_name": "a b"}, "experiment_name: String should match pattern"),
+    ],
+)
+def test_rule(changes, message):
+    check(message, **changes)
+
+
+def test_unknown_key_names_the_closest_valid_one():
+    check("train_batch_sise: unknown key; did you mean 'train_batch_size'?", train_batch_sise=4)
+    check("rollout.temprature: unknown key; did you mean 'temperature'?", rollout={"temprature": 0.5})
+
+
+def test_missing_required_keys_are_listed_together():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, total_train_steps=3)
+    assert "load_from: required" in str(error.value) and "train_dataset: required" in str(error.value)
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("load_from: /m\ntrain_dataset: {path: t.parquet}\ntotal_train_steps: 5\nrollout: {temperature: 0.9}\n")
+    config = load_config(path, ["rollout.top_k=20", "seed=7"])
+    assert (config.rollout.temperature, config.rollout.top_k, config.seed) == (0.9, 20, 7)
+
+
+def test_bad_files_and_overrides_say_what_is_wrong(tmp_path):
+    with pytest.raises(ConfigError, match="Config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_config(None, ["seed"], **BASE)

@@ -1,0 +1,106 @@
+"""Policy losses, KL estimators, aggregation and IS correction against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from engine.config import RolloutISConfig
+from engine.losses import aggregate, kl_penalty, mismatch_sums, ppo_clip_loss, rollout_is_weights, token_logprobs
+
+
+def _ppo(ratio, advantage, **kwargs):
+    logprobs = torch.tensor([[math.log(ratio)]], dtype=torch.float64)
+    loss, counts = ppo_clip_loss(
+        logprobs, torch.zeros_like(logprobs), torch.tensor([[advantage]], dtype=torch.float64), torch.ones(1, 1), **kwargs
+    )
+    return loss.item(), {k: v.item() for k, v in counts.items()}
+
+
+def test_ppo_clip_caps_a_positive_advantage_at_one_plus_eps_high():
+    loss, counts = _ppo(1.5, 1.0, clip_eps_low=0.2, clip_eps_high=0.2)
+    assert loss == pytest.approx(-1.2, abs=1e-6)
+    assert counts["clipped_high"] == 1 and counts["clipped_low"] == 0
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    loss, _ = _ppo(1.5, 1.0, clip_eps_low=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(-1.28, abs=1e-6)
+    loss, counts = _ppo(0.5, -1.0, clip_eps_low=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(0.8, abs=1e-6)  # max(0.5, 0.8): pessimistic bound
+    assert counts["clipped_low"] == 1
+
+
+def test_unclipped_inside_the_trust_region():
+    loss, counts = _ppo(1.1, 2.0, clip_eps_low=0.2, clip_eps_high=0.2)
+    assert loss == pytest.approx(-2.2, abs=1e-6)
+    assert counts == {"clipped_low": 0, "clipped_high": 0}
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    loss, counts = _ppo(5.0, -1.0, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0)
+    assert loss == pytest.approx(3.0, abs=1e-6)  # without dual clip: max(5.0, 1.2) = 5.0
+    assert counts["dual_clipped"] == 1
+    loss, _ = _ppo(5.0, -1.0, clip_eps_low=0.2, clip_eps_high=0.2)
+    assert loss == pytest.approx(5.0, abs=1e-6)
+
+
+def test_kl_estimators():
+    logprobs, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert kl_penalty(logprobs, ref, "k1").item() == pytest.approx(math.log(2), abs=1e-6)
+    assert kl_penalty(logprobs, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2, abs=1e-6)
+    assert kl_penalty(logprobs, ref, "k3").item() == pytest.approx(0.5 - 1 + math.log(2), abs=1e-6)
+
+
+LOSS = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 3) / 3),
+        ("seq-mean-token-mean", ((1 + 2) / 2 + 3 / 1) / 2),
+        ("seq-mean-token-sum", ((1 + 2) + 3) / 2),
+    ],
+)
+def test_aggregation_modes(mode, expected):
+    assert aggregate(LOSS, MASK, mode, total_tokens=3, total_sequences=2).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_aggregation_over_micro_batches_equals_the_whole_batch():
+    whole = aggregate(LOSS, MASK, "token-mean", total_tokens=3, total_sequences=2)
+    parts = sum(aggregate(LOSS[i : i + 1], MASK[i : i + 1], "token-mean", total_tokens=3, total_sequences=2) for i in range(2))
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_token_logprobs_match_log_softmax_and_zero_ignored_labels():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [1.0, 1.0]]])
+    out = token_logprobs(logits, torch.tensor([[1, -100]]))
+    assert out.tolist()[0] == pytest.approx([math.log(0.75), 0.0], abs=1e-6)
+    halved = token_logprobs(logits, torch.tensor([[1, -100]]), temperature=2.0)
+    assert halved[0, 0].item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
+
+
+def _is(level, mode, old, rollout):
+    old_t = torch.tensor([old], dtype=torch.float64)
+    return rollout_is_weights(old_t, torch.zeros_like(old_t), torch.ones_like(old_t), RolloutISConfig(level=level, mode=mode, upper=2.0))
+
+
+def test_token_is_truncate_and_mask():
+    weights, stats = _is("token", "truncate", [math.log(3.0), math.log(0.5)], None)
+    assert weights.tolist()[0] == pytest.approx([2.0, 0.5], abs=1e-6)
+    assert stats["rejected"].item() == 1
+    weights, _ = _is("token", "mask", [math.log(3.0), math.log(0.5)], None)
+    assert weights.tolist()[0] == pytest.approx([0.0, 0.5], abs=1e-6)  # 0.5 is the lower bound 1/upper, kept
+
+
+def test_sequence_is_uses_the_product_of_token_ratios():
+    weights, _ = _is("sequence", "truncate", [math.log(3.0), math.log(0.5)], None)
+    assert weights.tolist()[0] == pytest.approx([1.5, 1.5], abs=1e-6)
+
+
+def test_mismatch_is_zero_when_train_and_rollout_agree():
+    logprobs = torch.tensor([[-0.5, -1.0]])
+    sums = mismatch_sums(logprobs, logprobs.clone(), torch.ones(1, 2))
+    assert sums["k3_kl"].item() == 0.0 and sums["abs_logprob_diff_max"].item() == 0.0

@@ -1,0 +1,68 @@
+"""Reward functions that misbehave fail their own sample, with the reason, and never the step."""
+
+import time
+
+import pytest
+
+from engine.config import RewardConfig
+from engine.rewards import RewardRunner, exact_match, math_answer
+
+
+# Reward functions a user might write; referenced by `module:function` like real ones.
+def sleeps_forever(sample):
+    time.sleep(3600)
+
+
+def raises_on_b(sample):
+    if sample["response"] == "b":
+        raise RuntimeError("judge unavailable")
+    return {"score": 1.0, "judge": "ok"}
+
+
+def returns_garbage(sample):
+    return "high" if sample["response"] == "a" else float("nan")
+
+
+def _samples(*responses):
+    return [{"response": r, "label": "a", "prompt": [], "data_source": "d", "task_name": "t"} for r in responses]
+
+
+def test_a_raising_function_fails_only_its_sample():
+    with RewardRunner(RewardConfig(function=f"{__name__}:raises_on_b")) as runner:
+        ok, bad = runner.score(_samples("a", "b"))
+    assert ok.score == 1.0 and ok.payload == {"score": 1.0, "judge": "ok"}
+    assert bad.score is None and bad.error == "reward function raised RuntimeError: judge unavailable"
+
+
+def test_a_function_that_sleeps_forever_times_out_and_the_pool_recovers():
+    config = RewardConfig(function=f"{__name__}:sleeps_forever", timeout_s=0.5, by_data_source={"fast": "engine.rewards:exact_match"})
+    with RewardRunner(config) as runner:
+        started = time.perf_counter()
+        (stuck,) = runner.score(_samples("a"))
+        assert time.perf_counter() - started < 10
+        assert stuck.error == "reward function timed out after 0.5s"
+        (after,) = runner.score([{**_samples("a")[0], "data_source": "fast"}])  # the killed worker was replaced
+        assert after.score == 1.0
+
+
+def test_non_numeric_results_fail_with_what_was_returned():
+    with RewardRunner(RewardConfig(function=f"{__name__}:returns_garbage")) as runner:
+        text, nan = runner.score(_samples("a", "z"))
+    assert "returned 'high'" in text.error and "returned nan" in nan.error
+
+
+def test_unknown_function_is_refused_at_start():
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        RewardRunner(RewardConfig(function="engine.rewards:nope"))
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        RewardRunner(RewardConfig(function="engine.rewards"))
+
+
+def test_builtin_exact_match_and_math_verifier():
+    assert exact_match({"response": " ZYX \n", "label": "ZYX"}) == 1.0
+    assert exact_match({"response": "ZY", "label": "ZYX"}) == 0.0
+    assert math_answer({"response": "so \\boxed{1,000}", "label": "1000.0"})["score"] == 1.0
+    assert math_answer({"response": "it is 3/4", "label": "0.75"})["score"] == 1.0
+    assert math_answer({"response": "\\boxed{\\frac{1}{2}} or 7", "label": "\\frac{1}{2}"})["score"] == 1.0
+    assert math_answer({"response": "the answer is 41", "label": "42"}) == {"score": 0.0, "extracted": "41"}
+    assert math_answer({"response": "no idea", "label": "42"})["score"] == 0.0
