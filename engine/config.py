@@ -102,6 +102,11 @@ class TrainWorkerConfig(_Frozen):
     pack_max_length: int = Field(4096, gt=0, description="Token budget of one micro-batch.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = False
+    share_prompt_prefix: bool = Field(
+        True,
+        description="Run each distinct prompt once per micro-batch and share it across its samples (exact; "
+        "skips the repeated prompt compute of a group). Off with gradient checkpointing, which drops the KV cache.",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 

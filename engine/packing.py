@@ -29,6 +29,14 @@ class MicroBatch:
     def loss_mask_NL(self) -> torch.Tensor:
         return self.labels_NL != IGNORE
 
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids_NL.size(0)
+
+    def logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """Logits aligned with ``labels_NL``: [N, L, V]."""
+        return model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).logits
+
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
             self.input_ids_NL.to(device),

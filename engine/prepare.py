@@ -29,6 +29,7 @@ class TrainSequence:
     advantages: list[float]
     rollout_logprobs: list[float]
     rollout_id: str = ""
+    prompt_length: int = 0  # leading input tokens shared by every sample of the prompt (0: unknown)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +74,7 @@ def build_sequence(sample: RolloutSample, advantage: float) -> TrainSequence:
         rollout_logprobs=[0.0] * (len(prompt) - 1)
         + [lp if keep else 0.0 for lp, keep in zip(sample.logprobs, mask)],
         rollout_id=sample.rollout_id,
+        prompt_length=len(prompt),
     )
 
 

@@ -18,6 +18,7 @@ from engine.config import TrellisConfig
 from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights, token_entropy, token_logprobs
 from engine.packing import MicroBatch, pack, to_padded
 from engine.prepare import PreparedBatch, TrainSequence
+from engine.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -100,26 +101,36 @@ class TrainingWorker:
         # With one mini-batch the policy is still the rollout-time policy when the loss is taken, so
         # the "old" logprobs are the current ones detached and need no extra forward pass.
         needs_old = len(mini_batches) > 1
-        for sequences in mini_batches:
-            micro = [to_padded(sequences, idx, self._pad_id).to(self._device) for idx in pack(sequences, self._config.train_worker.pack_max_length)]
-            old = [self._logprobs_no_grad(self.model, m) for m in micro] if needs_old else None
-            ref = [self._logprobs_no_grad(self._reference, m) for m in micro] if self._reference is not None else None
-            result.mini_batch_metrics.append(self._update(micro, old, ref))
+        micro_per_mini = [self._micro_batches(seqs) for seqs in mini_batches]
+        # Old and reference logprobs are taken for the whole batch before the first update.
+        old = [[self._logprobs_no_grad(self.model, m) for m in micro] for micro in micro_per_mini] if needs_old else None
+        ref = None
+        if self._reference is not None:
+            ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
+        for index, micro in enumerate(micro_per_mini):
+            metrics = self._update(micro, old[index] if old else None, ref[index] if ref else None)
+            result.mini_batch_metrics.append(metrics)
         result.metrics = _average(result.mini_batch_metrics)
         self.applied_step = step
         return result
 
-    def _update(self, micro: list[MicroBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
+    def _micro_batches(self, sequences: list[TrainSequence]) -> list[MicroBatch | SharedPrefixBatch]:
+        worker = self._config.train_worker
+        share = worker.share_prompt_prefix and not worker.gradient_checkpointing and can_share(sequences)
+        layout = to_shared_prefix if share else to_padded
+        return [layout(sequences, idx, self._pad_id).to(self._device) for idx in pack(sequences, worker.pack_max_length)]
+
+    def _update(self, micro: list[MicroBatch | SharedPrefixBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
         loss_config = self._config.loss
         total_tokens = float(sum(int(m.loss_mask_NL.sum()) for m in micro))
-        total_sequences = float(sum(m.input_ids_NL.size(0) for m in micro))
+        total_sequences = float(sum(m.num_sequences for m in micro))
         sums: dict[str, float] = defaultdict(float)
         maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
         minima: dict[str, float] = defaultdict(lambda: float("inf"))
         for index, batch in enumerate(micro):
             mask = batch.loss_mask_NL
             with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
-                logits = self.model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+                logits = batch.logits(self.model)
             logprobs = token_logprobs(logits, batch.labels_NL, self._temperature)
             old_logprobs = old[index] if old is not None else logprobs.detach()
             is_weights = None
@@ -165,9 +176,9 @@ class TrainingWorker:
         return _mini_batch_metrics(sums, maxima, minima, total_tokens, float(grad_norm), lr)
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+    def _logprobs_no_grad(self, model: torch.nn.Module, batch: MicroBatch | SharedPrefixBatch) -> torch.Tensor:
         with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            logits = model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+            logits = batch.logits(model)
         return token_logprobs(logits, batch.labels_NL, self._temperature)
 
     def _build_reference(self) -> torch.nn.Module:

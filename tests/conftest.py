@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
-warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,17 @@
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config_loading import load_config
 from engine.data import load_prompts
+from engine.losses import token_logprobs
+from engine.packing import to_padded
 from engine.prepare import prepare_train_data
 from engine.produce import rollout_groups, sampling_params
 from engine.rewards import RewardRunner
 from engine.rollout.transformers_backend import TransformersRollout
+from engine.shared_prefix import to_shared_prefix
 from engine.train_worker import StepAlreadyApplied, TrainingWorker, lr_factor
 
 
@@ -17,7 +20,7 @@ def _config(tiny_model, reverse_data, **changes):
     return load_config(
         None,
         load_from=str(tiny_model),
-        train_dataset={"path": str(reverse_data["train"]), "limit": 16},
+        train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
         total_train_steps=4,
         train_batch_size=8,
         **changes,
@@ -26,13 +29,13 @@ def _config(tiny_model, reverse_data, **changes):
 
 @pytest.fixture(scope="module")
 def rollout_batch(tiny_model, reverse_data):
-    """One real batch: 8 prompts x 8 samples from the tiny model, scored by the task's reward."""
+    """One real batch: 16 prompts x 8 samples from the tiny model, scored by the task's reward."""
     config = _config(tiny_model, reverse_data)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompts, _ = load_prompts(config.train_dataset, tokenizer)
     with RewardRunner(config.reward) as rewards:
         produced = rollout_groups(
-            prompts[:8],
+            prompts[:16],
             repeat=8,
             backend=TransformersRollout(str(tiny_model), tokenizer),
             rewards=rewards,
@@ -94,7 +97,7 @@ def test_other_loss_aggregations_train(tiny_model, reverse_data, rollout_batch, 
     groups, pad_id = rollout_batch
     worker, before, result = _fit(_config(tiny_model, reverse_data, loss={"aggregation": mode}), groups, pad_id)
     assert result.metrics["grad_norm"] > 0
-    assert not torch.equal(worker.model.lm_head.weight, before["lm_head.weight"])
+    assert not torch.equal(worker.model.model.embed_tokens.weight, before["model.embed_tokens.weight"])
 
 
 def test_exported_weights_load_into_the_rollout_backend(tiny_model, reverse_data, rollout_batch):
@@ -110,3 +113,23 @@ def test_learning_rate_schedules():
     assert lr_factor(7, warmup=4, total=10, kind="constant", min_ratio=0.0) == 1.0
     assert lr_factor(7, warmup=4, total=10, kind="linear", min_ratio=0.0) == pytest.approx(0.5)
     assert lr_factor(10, warmup=4, total=10, kind="cosine", min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_shared_prompt_prefix_equals_the_padded_layout(tiny_model, reverse_data, rollout_batch):
+    """Sharing each prompt across its group changes the compute, not the math: same logprobs, same gradients."""
+    groups, pad_id = rollout_batch
+    config = _config(tiny_model, reverse_data)
+    sequences = prepare_train_data(groups, config.advantage, shuffle=True, seed=1).sequences
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    outputs = {}
+    for name, layout in (("shared", to_shared_prefix), ("padded", to_padded)):
+        batch = layout(sequences, list(range(len(sequences))), pad_id)
+        model.zero_grad()
+        logprobs = token_logprobs(batch.logits(model), batch.labels_NL)
+        (logprobs * batch.advantages_NL).sum().backward()
+        picked = logprobs[batch.loss_mask_NL]  # response tokens, row by row, in both layouts
+        outputs[name] = (picked.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (shared_lp, shared_grad), (padded_lp, padded_grad) = outputs["shared"], outputs["padded"]
+    assert shared_lp.shape == padded_lp.shape and torch.allclose(shared_lp, padded_lp, atol=1e-5)
+    for name, grad in shared_grad.items():
+        assert torch.allclose(grad, padded_grad[name], atol=1e-5, rtol=1e-4), name

@@ -7,6 +7,7 @@ from the same logits it samples from.
 
 from __future__ import annotations
 
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -15,6 +16,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizer
 from engine.rollout.base import Generation, SamplingParams
 
 _NEG_INF = float("-inf")
+# transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
 
 class TransformersRollout:
@@ -51,16 +54,22 @@ class TransformersRollout:
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         stop_ids = torch.tensor(sorted(set(self._eos_ids) | set(params.stop_token_ids)), device=self._device)
 
-        input_ids, attention_mask = self._left_pad(prompts)
+        # Identical prompts (a GRPO group) are prefilled once; their KV cache is then copied per sample.
+        rows: dict[tuple[int, ...], int] = {}
+        row_of_sample = torch.tensor([rows.setdefault(tuple(p), len(rows)) for p in prompts], device=self._device)
+        input_ids, attention_mask = self._left_pad(list(rows))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if len(rows) < len(prompts):
+            cache.reorder_cache(row_of_sample)
+            logits, attention_mask, position_ids = (t.index_select(0, row_of_sample) for t in (logits, attention_mask, position_ids))
         batch = len(prompts)
         finished = torch.zeros(batch, dtype=torch.bool, device=self._device)
         tokens_BT = torch.full((batch, params.max_new_tokens), self._pad_id, device=self._device)
         logprobs_BT = torch.zeros(batch, params.max_new_tokens, device=self._device)
         lengths_B = torch.zeros(batch, dtype=torch.long, device=self._device)
 
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
         for t in range(params.max_new_tokens):
             token_B, logprob_B = sample_tokens(logits, params, generator)
             alive = ~finished

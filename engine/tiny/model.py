@@ -22,9 +22,9 @@ CHAT_TEMPLATE = (
 )
 WARMUP_STEPS = 60  # accuracy jumps sharply between steps 50 and 70: the count is pinned on purpose
 WARMUP_BATCH = 64
-# The warm-up's outcome swings with its data stream (greedy 36-84% over seeds 1-5); seed 2 lands where
-# the recipe says (greedy ~40%, sampled ~13%), leaving the RL run something to learn.
-WARMUP_SEED = 2
+# The warm-up's outcome swings with its data stream (greedy 25-99% over seeds 1-25); seed 8 lands where
+# the recipe says (greedy 38%, sampled 15%), leaving the RL run something to learn.
+WARMUP_SEED = 8
 
 
 def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:

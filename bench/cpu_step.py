@@ -1,0 +1,60 @@
+"""trellis's in-process GRPO step against TRL's GRPOTrainer on the same model, task and settings.
+
+Both run alternately as child processes of this one (A B A B ...), so that machine noise hits both
+alike. Prints median seconds and CPU-seconds per step, and as the last line
+`ratio_vs_trl <trellis median / TRL median>` (goal: <= 0.7).
+
+    python bench/cpu_step.py [--rounds 3] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WARMUP_STEPS = 3  # first steps pay for lazy init (worker spawn, allocator): not a steady-state step
+
+
+def run(script: str, model: Path, data: Path, steps: int, out: Path) -> dict:
+    subprocess.run([sys.executable, str(HERE / script), str(model), str(data), str(steps), str(out)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+
+    from engine.tiny.model import build_tiny_checkpoint
+    from engine.tiny.reverse_task import write_dataset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_tiny_checkpoint(root / "tiny")
+        data = write_dataset(root / "train.parquet", 4096, seed=0)
+        results: dict[str, dict[str, list[float]]] = {"trellis": {"wall": [], "cpu": [], "rss": []}, "trl": {"wall": [], "cpu": [], "rss": []}}
+        for round_index in range(args.rounds):
+            for name, script in (("trellis", "trellis_step.py"), ("trl", "trl_peer.py")):
+                figures = run(script, model, data, args.steps, root / f"{name}-{round_index}.json")
+                results[name]["wall"] += figures["wall"][WARMUP_STEPS:]
+                results[name]["cpu"] += figures["cpu"][WARMUP_STEPS:]
+                results[name]["rss"].append(figures["peak_rss_gb"])
+                print(f"round {round_index + 1} {name:8s} median {statistics.median(figures['wall'][WARMUP_STEPS:]):.3f} s/step", flush=True)
+
+    medians = {name: statistics.median(r["wall"]) for name, r in results.items()}
+    for name, r in results.items():
+        print(f"{name:8s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
+              f"RSS {max(r['rss']):.2f} GB (main process)   steps timed {len(r['wall'])}")
+    print(f"ratio_vs_trl {medians['trellis'] / medians['trl']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""A few in-process GRPO steps of the engine on one GPU, bf16, random-init Qwen2-0.5B shape.
+
+Weights are random, so rewards are ~0: this measures rollout and training token throughput of the
+same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
+
+    python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engine.config_loading import load_config
+from engine.local_run import LocalRun
+from engine.tiny.model import build_tokenizer
+from engine.tiny.reverse_task import write_dataset
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+
+def random_qwen2_05b(tokenizer, out: Path) -> Path:
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/trellis-gpu")
+    model_dir = random_qwen2_05b(build_tokenizer(), work / "qwen2-05b-random")
+    data = write_dataset(work / "train.parquet", 2048, seed=0)
+    config = load_config(
+        None,
+        load_from=str(model_dir),
+        train_dataset={"path": str(data)},
+        total_train_steps=args.steps,
+        train_batch_size=args.prompts,
+        prompt_repeat_k=args.group,
+        rollout={"max_new_tokens": args.new_tokens},
+        train_worker={"pack_max_length": 8192},
+        work_dir=str(work / "runs"),
+    )
+    reports = []
+    with LocalRun(config, track=False) as run:
+        for _ in range(args.steps):
+            reports.append(run.train_step().metrics)
+            print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
+    steady = reports[1:] or reports
+    summary = {
+        "device": torch.cuda.get_device_name(0),
+        "samples_per_step": args.prompts * args.group,
+        "rollout_tokens_per_s": statistics.median(r["throughput/rollout_tgs"] for r in steady),
+        "training_tokens_per_s": statistics.median(r["throughput/training_tgs"] for r in steady),
+        "step_s": statistics.median(r["time/step"] for r in steady),
+        "response_len_mean": statistics.median(r["response/response_len/mean"] for r in steady),
+        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "steps": reports,
+    }
+    (args.out / "engine_steps.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
