@@ -12,18 +12,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.config import TrellisConfig
-from engine.data import PromptRecord, load_prompts
-from engine.evaluate import evaluation_metrics
+from engine.controller import Controller
 from engine.metrics import JsonlTracker, ThroughputMeter, timer
-from engine.prepare import prepare_train_data
 from engine.preflight import check_inputs
-from engine.produce import ProduceResult, rollout_groups, sampling_params, step_seed
-from engine.rewards import RewardRunner
+from engine.produce import ProduceResult
 from engine.rollout.transformers_backend import TransformersRollout
-from engine.sampler import PromptSampler
 from engine.train_worker import TrainingWorker, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -56,53 +51,29 @@ class LocalRun:
         check_inputs(config)
         self.config = config
         seed_everything(config.seed, config.deterministic)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_source)
-        prompts, self.train_report = load_prompts(config.train_dataset, self.tokenizer)
-        self.sampler: PromptSampler[PromptRecord] = PromptSampler(prompts, seed=config.seed)
-        self.eval_prompts: list[PromptRecord] = []
-        if config.eval_dataset is not None:
-            self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
-        self.total_train_steps = resolve_total_steps(config, len(prompts))
+        self.controller = Controller(config)
+        self.train_report = self.controller.train_report
+        self.total_train_steps = resolve_total_steps(config, self.controller.dataset_size)
         device = resolve_device(config.train_worker.device)
         rollout_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.backend = TransformersRollout(
-            config.load_from, self.tokenizer, device=str(device), dtype=rollout_dtype, seed=config.seed
+            config.load_from, self.controller.tokenizer, device=str(device), dtype=rollout_dtype, seed=config.seed
         )
-        self.rewards = RewardRunner(config.reward)
         self.worker = TrainingWorker(
-            config, total_train_steps=self.total_train_steps, pad_token_id=self.tokenizer.pad_token_id
+            config, total_train_steps=self.total_train_steps, pad_token_id=self.controller.pad_token_id
         )
         self.tracker = JsonlTracker(f"{config.run_uri}/logs/metrics.jsonl", config.storage_options) if track else None
         self.throughput = ThroughputMeter(started_s=time.perf_counter())
         self.step = 0
 
     def produce_batch(self, step: int) -> ProduceResult:
-        prompts = self.sampler.sample(self.config.train_batch_size)
-        return rollout_groups(
-            prompts,
-            repeat=self.config.prompt_repeat_k,
-            backend=self.backend,
-            rewards=self.rewards,
-            params=sampling_params(self.config.rollout, seed=step_seed(self.config.seed, step)),
-            train_step=step,
-            id_prefix="train-",
-        )
+        return self.controller.produce_batch(step, self.backend)
 
     def sync_weights(self, step: int) -> None:
         self.backend.load_weights(self.worker.export_weights(), policy_version=step)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        rollout = self.config.rollout
-        produced = rollout_groups(
-            self.eval_prompts,
-            repeat=rollout.eval_samples_per_prompt,
-            backend=self.backend,
-            rewards=self.rewards,
-            params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
-            train_step=step,
-            id_prefix="eval-",
-        )
-        return evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
+        return self.controller.evaluate(step, self.backend)[1]
 
     def train_step(self) -> StepReport:
         step = self.step + 1
@@ -112,9 +83,7 @@ class LocalRun:
             with timer("produce_batch", timings):
                 produced = self.produce_batch(step)
             with timer("prepare_data", timings):
-                batch = prepare_train_data(
-                    produced.groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2)
-                )
+                batch = self.controller.prepare_data(produced.groups, step)
             with timer("fit", timings):
                 fit = self.worker.fit(batch, step)
             synced = step % config.sync_weights_interval == 0
@@ -146,7 +115,7 @@ class LocalRun:
         return reports
 
     def close(self) -> None:
-        self.rewards.close()
+        self.controller.close()
         if self.tracker is not None:
             self.tracker.close()
 

@@ -1,0 +1,95 @@
+"""The rollout controller: owns the prompts, the sampler and the reward runner, and turns a rollout
+backend into scored batches. Used in-process by ``LocalRun`` and as a Ray actor by the flow.
+
+``produce_batch(step)`` is idempotent: the sampler state before each step is remembered, so a retried
+step draws the same prompts with the same seed instead of skipping ahead.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from engine.config import TrellisConfig
+from engine.data import PromptRecord, load_prompts
+from engine.evaluate import evaluation_metrics
+from engine.lake import summary, write_samples
+from engine.prepare import PreparedBatch, prepare_train_data
+from engine.produce import ProduceResult, rollout_groups, sampling_params, step_seed
+from engine.rewards import RewardRunner
+from engine.rollout.base import RolloutBackend
+from engine.sampler import PromptSampler
+from engine.types import RolloutSample
+
+_KEPT_SNAPSHOTS = 4
+
+
+class Controller:
+    def __init__(self, config: TrellisConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_source)
+        prompts, self.train_report = load_prompts(config.train_dataset, self.tokenizer)
+        self.sampler: PromptSampler[PromptRecord] = PromptSampler(prompts, seed=config.seed)
+        self.eval_prompts: list[PromptRecord] = []
+        if config.eval_dataset is not None:
+            self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
+        self.rewards = RewardRunner(config.reward)
+        self._sampler_before_step: dict[int, dict[str, int]] = {}
+
+    @property
+    def dataset_size(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def produce_batch(self, step: int, backend: RolloutBackend) -> ProduceResult:
+        if step in self._sampler_before_step:
+            self.sampler.load_state_dict(self._sampler_before_step[step])
+        else:
+            self._sampler_before_step[step] = self.sampler.state_dict()
+            for old in sorted(self._sampler_before_step)[:-_KEPT_SNAPSHOTS]:
+                del self._sampler_before_step[old]
+        return rollout_groups(
+            self.sampler.sample(self.config.train_batch_size),
+            repeat=self.config.prompt_repeat_k,
+            backend=backend,
+            rewards=self.rewards,
+            params=sampling_params(self.config.rollout, seed=step_seed(self.config.seed, step)),
+            train_step=step,
+            id_prefix="train-",
+        )
+
+    def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
+        config = self.config
+        return prepare_train_data(
+            groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2)
+        )
+
+    def evaluate(self, step: int, backend: RolloutBackend) -> tuple[list[list[RolloutSample]], dict[str, float]]:
+        rollout = self.config.rollout
+        produced = rollout_groups(
+            self.eval_prompts,
+            repeat=rollout.eval_samples_per_prompt,
+            backend=backend,
+            rewards=self.rewards,
+            params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
+            train_step=step,
+            id_prefix="eval-",
+        )
+        return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
+
+    def write_trajectories(self, groups: list[list[RolloutSample]], step: int, split: str) -> tuple[str, dict[str, float]]:
+        samples = [sample for group in groups for sample in group]
+        uri = write_samples(
+            samples,
+            run_uri=self.config.run_uri,
+            run=self.config.experiment_name,
+            split=split,
+            step=step,
+            storage_options=self.config.storage_options,
+        )
+        return uri, summary(samples)
+
+    def close(self) -> None:
+        self.rewards.close()
