@@ -31,20 +31,68 @@ def tiny_model(
         typer.echo(f"prompts: {data}/train.parquet, {data}/eval.parquet")
 
 
+cluster_app = typer.Typer(help="A persistent local Ray cluster that runs keep attaching to.")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("up")
+def cluster_up(
+    port: Annotated[int, typer.Option(help="GCS port of the head.")] = 6379,
+    num_cpus: Annotated[Optional[int], typer.Option(help="CPUs the head offers (default: all).")] = None,
+) -> None:
+    """Start a local Ray head that outlives this command."""
+    from engine.cluster import ClusterError, is_alive, recorded_address, start_head
+    from engine.config import ClusterConfig
+
+    address = recorded_address()
+    if address and is_alive(address):
+        typer.echo(f"already running at {address}")
+        return
+    try:
+        typer.echo(f"started at {start_head(ClusterConfig(head_port=port, num_cpus=num_cpus))}")
+    except ClusterError as error:
+        typer.secho(str(error), fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+
+
+@cluster_app.command("down")
+def cluster_down() -> None:
+    """Stop the local Ray head (and the run workers on it)."""
+    from engine.cluster import stop_head
+
+    stop_head()
+    typer.echo("stopped")
+
+
+@cluster_app.command("status")
+def cluster_status() -> None:
+    """Say whether the recorded local head answers."""
+    from engine.cluster import is_alive, recorded_address
+
+    address = recorded_address()
+    if address and is_alive(address):
+        typer.echo(f"running at {address}")
+    else:
+        typer.echo("not running")
+        raise typer.Exit(code=1)
+
+
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="YAML run configuration.")],
     overrides: Annotated[list[str], typer.Option("--set", help="key=value override, e.g. --set optim.lr=1e-4.")] = [],  # noqa: B006
+    in_process: Annotated[bool, typer.Option("--in-process", help="Run the engine in this process: no Prefect, no Ray.")] = False,
 ) -> None:
-    """Train in-process (engine only)."""
+    """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs)."""
     from engine.config_loading import ConfigError, load_config
     from engine.data import DatasetError
-    from engine.preflight import InputError
+    from engine.preflight import InputError, check_inputs
 
     _quiet_libraries()
     try:
         cfg = load_config(config, overrides)
-        _train_in_process(cfg)
+        check_inputs(cfg)
+        _train_in_process(cfg) if in_process else _train_with_flow(cfg)
     except (ConfigError, InputError, DatasetError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
@@ -71,6 +119,39 @@ def _train_in_process(cfg) -> None:
 
             run.run(on_step)
     typer.echo(f"metrics: {cfg.run_uri}/logs/metrics.jsonl")
+
+
+def _train_with_flow(cfg) -> None:
+    import os
+    import threading
+
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from tqdm import tqdm
+
+    from deployments.progress import follow_metrics
+    from flows.rl_train import rl_train
+
+    done = threading.Event()
+    bar = tqdm(total=cfg.total_train_steps, desc="train", unit="step", file=sys.stdout)
+    follower = threading.Thread(target=follow_metrics, args=(cfg, bar, done), daemon=True)
+    follower.start()
+    try:
+        # The flow heartbeat thread costs ~1 s per flow call and guards nothing a CLI run needs.
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            rl_train(cfg)
+    finally:
+        done.set()
+        follower.join(timeout=5)
+        bar.close()
+    _say_where(cfg)
+
+
+def _say_where(cfg) -> None:
+    typer.echo(f"trajectories: {cfg.run_uri}/trajectories  (Parquet, split=/step= partitions)")
+    typer.echo(f"metrics:      {cfg.run_uri}/logs/metrics.jsonl")
+    if cfg.exp_tracker == "tensorboard":
+        typer.echo(f"tensorboard:  tensorboard --logdir {cfg.run_uri}/logs/tensorboard")
 
 
 def _quiet_libraries() -> None:

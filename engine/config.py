@@ -110,6 +110,21 @@ class TrainWorkerConfig(_Frozen):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+class ClusterConfig(_Frozen):
+    """Where the workers run. With nothing set, trellis attaches to the head that `trellis cluster up`
+    started, or starts one (it stays up for later runs; `trellis cluster down` stops it)."""
+
+    address: str | None = Field(None, description="A running cluster (host:port); RAY_ADDRESS also works.")
+    head_port: int = Field(6379, gt=0, lt=65536, description="Port of a local head that trellis starts.")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs a local head offers; default: all.")
+    namespace: str | None = Field(None, description="Ray namespace of the run's named actors; default trellis-{experiment_name}.")
+    ray_get_timeout_s: float = Field(600.0, gt=0.0, description="Bound on every wait for a worker.")
+    torch_threads: int | None = Field(None, gt=0, description="torch threads per worker; default: all cores.")
+    release_workers_at_end: bool = Field(
+        True, description="Kill the run's actors when the run completes; false keeps them for a later flow run to re-attach."
+    )
+
+
 def validate_intervals(
     sync_weights_interval: int,
     checkpoint_interval: int | None,
@@ -180,7 +195,8 @@ class TrellisConfig(_Frozen):
     debug_rollout: bool = False
     debug_train: bool = False
     debug_rollout_dir: str | None = None
-    exp_tracker: Literal["tensorboard", "jsonl"] = "jsonl"
+    exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _check_rules(self) -> TrellisConfig:
@@ -239,6 +255,10 @@ class TrellisConfig(_Frozen):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer_path or self.load_from
+
+    @property
+    def ray_namespace(self) -> str:
+        return self.cluster.namespace or f"trellis-{self.experiment_name}"
 
     @property
     def run_uri(self) -> str:

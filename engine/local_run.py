@@ -15,9 +15,9 @@ import torch
 
 from engine.config import TrellisConfig
 from engine.controller import Controller
-from engine.metrics import JsonlTracker, ThroughputMeter, timer
+from engine.metrics import JsonlTracker, ThroughputMeter, assemble_step_metrics, timer
 from engine.preflight import check_inputs
-from engine.produce import ProduceResult
+from engine.produce import ProduceResult, produce_summary
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.train_worker import TrainingWorker, resolve_device
 
@@ -63,7 +63,7 @@ class LocalRun:
             config, total_train_steps=self.total_train_steps, pad_token_id=self.controller.pad_token_id
         )
         self.tracker = JsonlTracker(f"{config.run_uri}/logs/metrics.jsonl", config.storage_options) if track else None
-        self.throughput = ThroughputMeter(started_s=time.perf_counter())
+        self.throughput = ThroughputMeter(started_s=time.time())
         self.step = 0
 
     def produce_batch(self, step: int) -> ProduceResult:
@@ -126,24 +126,11 @@ class LocalRun:
         self.close()
 
     def _step_metrics(self, produced, data_info, fit_metrics, eval_metrics, timings) -> dict[str, float]:
-        metrics = {f"time/{k}": v for k, v in timings.items()}
-        metrics.update({f"response/{k}": v for k, v in data_info.items()})
-        for key, value in fit_metrics.items():
-            metrics[key if "/" in key else f"train/{key}"] = value
-        if "entropy" in fit_metrics:
-            metrics["entropy/train"] = fit_metrics["entropy"]
-        metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
-        metrics["rollout/failed_samples"] = float(produced.failed_samples)
-        metrics["rollout/policy_version"] = float(produced.groups[0][0].policy_version if produced.groups else 0)
-        metrics.update(
-            self.throughput.step_metrics(
-                training_samples=data_info["training_samples"],
-                training_tokens=data_info["training_tokens"],
-                step_s=timings["step"],
-                fit_s=timings["fit"],
-                produce_s=produced.produce_time_s,
-                produced_samples=produced.produced_samples,
-                produced_tokens=produced.produced_tokens,
-            )
+        return assemble_step_metrics(
+            timings=timings,
+            produce=produce_summary(produced),
+            data_info=data_info,
+            fit_metrics=fit_metrics,
+            eval_metrics=eval_metrics,
+            meter=self.throughput,
         )
-        return metrics

@@ -25,7 +25,8 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
 class ThroughputMeter:
     """Run-level counters behind ``throughput/e2e_*``; per-step figures come from the step's own numbers.
 
-    sgs / tgs = samples / tokens per second per worker (GPU, or process on CPU).
+    sgs / tgs = samples / tokens per second per worker (GPU, or process on CPU). ``started_s`` is
+    wall-clock time (``time.time()``), so the meter can travel between processes.
     """
 
     started_s: float
@@ -48,7 +49,7 @@ class ThroughputMeter:
     ) -> dict[str, float]:
         self.samples += training_samples
         self.tokens += training_tokens
-        e2e_s = (now_s if now_s is not None else time.perf_counter()) - self.started_s
+        e2e_s = (now_s if now_s is not None else time.time()) - self.started_s
         train, rollout = float(self.train_workers), float(self.rollout_workers)
         return {
             "throughput/e2e_effective_sgs": self.samples / max(e2e_s, 1e-9) / train,
@@ -59,6 +60,42 @@ class ThroughputMeter:
             "throughput/rollout_sgs": produced_samples / produce_s / rollout if produce_s > 0 else 0.0,
             "throughput/rollout_tgs": produced_tokens / produce_s / rollout if produce_s > 0 else 0.0,
         }
+
+
+def assemble_step_metrics(
+    *,
+    timings: dict[str, float],
+    produce: dict[str, float],
+    data_info: dict[str, float],
+    fit_metrics: dict[str, float],
+    eval_metrics: dict[str, float],
+    meter: ThroughputMeter,
+    now_s: float | None = None,
+) -> dict[str, float]:
+    """All metrics of one step under the reference's names (``time/``, ``response/``, ``throughput/``...)."""
+    metrics = {f"time/{k}": v for k, v in timings.items()}
+    metrics.update({f"response/{k}": v for k, v in data_info.items()})
+    for key, value in fit_metrics.items():
+        metrics[key if "/" in key else f"train/{key}"] = value
+    if "entropy" in fit_metrics:
+        metrics["entropy/train"] = fit_metrics["entropy"]
+    metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+    metrics.update({k: v for k, v in produce.items() if k.startswith("trajectory/")})
+    metrics["rollout/failed_samples"] = produce["failed_samples"]
+    metrics["rollout/policy_version"] = produce["policy_version"]
+    metrics.update(
+        meter.step_metrics(
+            training_samples=data_info["training_samples"],
+            training_tokens=data_info["training_tokens"],
+            step_s=timings["step"],
+            fit_s=timings["fit"],
+            produce_s=produce["produce_time_s"],
+            produced_samples=produce["produced_samples"],
+            produced_tokens=produce["produced_tokens"],
+            now_s=now_s,
+        )
+    )
+    return metrics
 
 
 class Tracker(Protocol):

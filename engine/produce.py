@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import RolloutConfig
 from engine.data import PromptRecord
+from engine.lake import summary as trajectory_summary
 from engine.rewards import RewardRunner
 from engine.rollout.base import RolloutBackend, SamplingParams
 from engine.types import RolloutSample, Status
@@ -93,3 +94,16 @@ def rollout_groups(
         produced_tokens=sum(len(s.response_ids) for s in samples),
         failed_samples=sum(s.status == Status.FAILED for s in samples),
     )
+
+
+def produce_summary(result: ProduceResult) -> dict[str, float]:
+    """The few numbers of a produced batch that travel to the orchestrator and the metrics."""
+    samples = [s for group in result.groups for s in group]
+    return {
+        "produce_time_s": result.produce_time_s,
+        "produced_samples": float(result.produced_samples),
+        "produced_tokens": float(result.produced_tokens),
+        "failed_samples": float(result.failed_samples),
+        "policy_version": float(samples[0].policy_version if samples else 0),
+        **{f"trajectory/{k}": v for k, v in trajectory_summary(samples).items()},
+    }

@@ -1,0 +1,223 @@
+"""Ray actor shells over the engine's plain classes: they add placement and naming, nothing else.
+
+Every actor is named inside the run's namespace and created with ``get_if_exists``, so a retried or
+resumed flow run re-attaches to live workers instead of rebuilding them. Actors reserve no CPU
+(``num_cpus=0``): they mostly wait on each other, and on a 2-core head reserved CPUs would starve
+the work; torch's thread count is set explicitly instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from engine.config import TrellisConfig
+from engine.controller import Controller
+from engine.local_run import resolve_total_steps, seed_everything
+from engine.prepare import PreparedBatch
+from engine.produce import ProduceResult, produce_summary
+from engine.rollout.base import Generation, SamplingParams
+from engine.rollout.transformers_backend import TransformersRollout
+from engine.train_worker import FitResult, TrainingWorker, resolve_device
+
+
+def _threads(config: TrellisConfig) -> None:
+    torch.set_num_threads(config.cluster.torch_threads or os.cpu_count() or 1)
+    seed_everything(config.seed, config.deterministic)
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    def __init__(self, config: TrellisConfig, total_train_steps: int, pad_token_id: int) -> None:
+        _threads(config)
+        self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
+
+    def fit(self, batch: PreparedBatch, step: int) -> FitResult:
+        return self.worker.fit(batch, step)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.cpu() for name, tensor in self.worker.export_weights().items()}
+
+    def applied_step(self) -> int:
+        return self.worker.applied_step
+
+    def offload(self) -> None:
+        self.worker.offload()
+
+    def onload(self) -> None:
+        self.worker.onload()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class RolloutActor:
+    def __init__(self, config: TrellisConfig, tokenizer_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        _threads(config)
+        device = resolve_device(config.train_worker.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.backend = TransformersRollout(
+            config.load_from, AutoTokenizer.from_pretrained(tokenizer_path), device=str(device), dtype=dtype, seed=config.seed
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return self.backend.generate(prompts, params)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        self.backend.load_weights(state_dict, policy_version)
+        return policy_version
+
+    def policy_version(self) -> int:
+        return self.backend.policy_version
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RemoteRollout:
+    """The rollout contract over a rollout actor, so the controller's code runs unchanged."""
+
+    def __init__(self, handle, timeout_s: float) -> None:
+        self._handle = handle
+        self._timeout_s = timeout_s
+        self._version = ray.get(handle.policy_version.remote(), timeout=timeout_s)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return ray.get(self._handle.generate.remote(prompts, params), timeout=self._timeout_s)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        ray.get(self._handle.load_weights.remote(state_dict, policy_version), timeout=self._timeout_s)
+
+    def offload(self) -> None:
+        ray.get(self._handle.offload.remote(), timeout=self._timeout_s)
+
+    def onload(self) -> None:
+        ray.get(self._handle.onload.remote(), timeout=self._timeout_s)
+
+
+@ray.remote(num_cpus=0)
+class ControllerActor:
+    """Produces, prepares, evaluates and stores batches; batches stay in the object store."""
+
+    def __init__(self, config: TrellisConfig) -> None:
+        _threads(config)
+        self.config = config
+        self.controller = Controller(config)
+
+    def info(self) -> dict[str, int]:
+        return {"dataset_size": self.controller.dataset_size, "pad_token_id": self.controller.pad_token_id}
+
+    def train_report(self) -> str:
+        return self.controller.train_report.summary()
+
+    @ray.method(num_returns=2)
+    def produce_batch(self, step: int, rollout) -> tuple[dict[str, float], ProduceResult]:
+        produced = self.controller.produce_batch(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+        return produce_summary(produced), produced
+
+    @ray.method(num_returns=2)
+    def prepare_data(self, produced: ProduceResult, step: int) -> tuple[dict[str, float], PreparedBatch]:
+        batch = self.controller.prepare_data(produced.groups, step)
+        return batch.info, batch
+
+    def write_trajectories(self, produced: ProduceResult, step: int, split: str) -> str:
+        return self.controller.write_trajectories(produced.groups, step, split)[0]
+
+    def evaluate(self, step: int, rollout) -> tuple[str, dict[str, float]]:
+        groups, metrics = self.controller.evaluate(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+        uri, _ = self.controller.write_trajectories(groups, step, "eval")
+        return uri, metrics
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@dataclass
+class Workers:
+    controller: ray.actor.ActorHandle
+    trainer: ray.actor.ActorHandle
+    rollout: ray.actor.ActorHandle
+    total_train_steps: int
+    pad_token_id: int
+
+
+def _names(config: TrellisConfig) -> dict[str, str]:
+    return {role: f"{config.experiment_name}-{role}" for role in ("controller", "trainer", "rollout")}
+
+
+def _get_or_create(actor_class, name: str, config: TrellisConfig, *args):
+    return actor_class.options(
+        name=name, namespace=config.ray_namespace, lifetime="detached", get_if_exists=True, max_concurrency=1
+    ).remote(config, *args)
+
+
+def attach_workers(config: TrellisConfig) -> Workers:
+    """Get the run's named actors, creating those that do not exist (or died)."""
+    names = _names(config)
+    timeout = config.cluster.ray_get_timeout_s
+    controller = _get_or_create(ControllerActor, names["controller"], config)
+    info = ray.get(controller.info.remote(), timeout=timeout)
+    # The total comes from the config of this flow run: a re-attached run may extend the first one.
+    total = resolve_total_steps(config, info["dataset_size"])
+    trainer = _get_or_create(TrainerActor, names["trainer"], config, total, info["pad_token_id"])
+    rollout = _get_or_create(RolloutActor, names["rollout"], config, config.tokenizer_source)
+    applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
+    if applied > 0 and served == 0:  # a rollout worker re-created after a loss starts from the checkpoint weights
+        ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), applied), timeout=timeout)
+    return Workers(controller, trainer, rollout, total, info["pad_token_id"])
+
+
+def lookup(config: TrellisConfig, role: str) -> ray.actor.ActorHandle:
+    """Handle of one of the run's live actors by role (controller, trainer, rollout); cheap."""
+    return ray.get_actor(_names(config)[role], namespace=config.ray_namespace)
+
+
+def rollout_alive(config: TrellisConfig) -> bool:
+    try:
+        ray.get(lookup(config, "rollout").pid.remote(), timeout=min(30.0, config.cluster.ray_get_timeout_s))
+        return True
+    except (ValueError, RayActorError, GetTimeoutError):  # ValueError: no live actor of that name
+        return False
+
+
+def restart_rollout(config: TrellisConfig) -> ray.actor.ActorHandle:
+    """Replace a dead rollout worker and give it the trainer's current weights."""
+    name = _names(config)["rollout"]
+    try:
+        ray.kill(ray.get_actor(name, namespace=config.ray_namespace), no_restart=True)
+    except ValueError:
+        pass  # already gone from the registry
+    rollout = _get_or_create(RolloutActor, name, config, config.tokenizer_source)
+    timeout = config.cluster.ray_get_timeout_s
+    trainer = lookup(config, "trainer")
+    step = ray.get(trainer.applied_step.remote(), timeout=timeout)
+    weights = trainer.export_weights.remote()
+    ray.get(rollout.load_weights.remote(weights, step), timeout=timeout)
+    return rollout
+
+
+def release_workers(config: TrellisConfig) -> None:
+    for name in _names(config).values():
+        try:
+            ray.kill(ray.get_actor(name, namespace=config.ray_namespace), no_restart=True)
+        except ValueError:
+            pass
+

@@ -1,0 +1,75 @@
+"""The ``log_step`` task: assemble a step's metrics, write them to the trackers, publish artifacts."""
+
+from __future__ import annotations
+
+import re
+
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from engine.config import TrellisConfig
+from engine.metrics import JsonlTracker, TensorboardTracker, ThroughputMeter, Tracker, assemble_step_metrics
+
+
+_trackers: dict[str, list[Tracker]] = {}
+
+
+def trackers(config: TrellisConfig) -> list[Tracker]:
+    """One set of trackers per run and process: TensorBoard writers must not be reopened every step."""
+    logs = f"{config.run_uri}/logs"
+    if logs not in _trackers:
+        chosen: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
+        if config.exp_tracker == "tensorboard":
+            chosen.append(TensorboardTracker(f"{logs}/tensorboard"))
+        _trackers[logs] = chosen
+    return _trackers[logs]
+
+
+def close_trackers(config: TrellisConfig) -> None:
+    for tracker in _trackers.pop(f"{config.run_uri}/logs", []):
+        tracker.close()
+
+
+def _artifact_key(config: TrellisConfig, what: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"{config.experiment_name}-{what}".lower()).strip("-")
+
+
+@task(name="log_step", task_run_name="log_step[step={step}]", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
+def log_step(
+    config: TrellisConfig,
+    step: int,
+    *,
+    timings: dict[str, float],
+    produce: dict[str, float],
+    data_info: dict[str, float],
+    fit_metrics: dict[str, float],
+    eval_metrics: dict[str, float],
+    clock: dict[str, float],
+    links: dict[str, str],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Write the step's metrics to the trackers and Prefect artifacts; return them and the run clock."""
+    meter = ThroughputMeter(started_s=clock["started_s"], samples=clock["samples"], tokens=clock["tokens"])
+    metrics = assemble_step_metrics(
+        timings=timings, produce=produce, data_info=data_info, fit_metrics=fit_metrics, eval_metrics=eval_metrics, meter=meter
+    )
+    for tracker in trackers(config):
+        tracker.log(metrics, step)
+    create_table_artifact(
+        key=_artifact_key(config, "step-metrics"),
+        table=[{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())],
+        description=f"{config.experiment_name}: metrics of step {step}",
+    )
+    for name, uri in links.items():
+        create_link_artifact(key=_artifact_key(config, name), link=uri, link_text=f"{name} of step {step}")
+    return metrics, {"started_s": meter.started_s, "samples": meter.samples, "tokens": meter.tokens}
+
+
+@task(name="log_evaluation", task_run_name="log_evaluation[step={step}]", cache_policy=NO_CACHE, persist_result=False)
+def log_evaluation(config: TrellisConfig, step: int, eval_metrics: dict[str, float], link: str) -> dict[str, float]:
+    """The initial evaluation (step 0), before any training."""
+    metrics = {f"eval/{k}": v for k, v in eval_metrics.items()}
+    for tracker in trackers(config):
+        tracker.log(metrics, step)
+    create_link_artifact(key=_artifact_key(config, "eval-trajectories"), link=link, link_text=f"eval trajectories of step {step}")
+    return metrics

@@ -1,0 +1,101 @@
+"""One Prefect task per node of the step DAG; each forwards to the run's Ray actors.
+
+Task options follow side effects: reads and idempotent writes retry (produce_batch draws the same
+prompts on a retry; a trajectory part is replaced, not appended), while ``fit`` never retries and
+refuses a step its worker has already applied. Batches stay in Ray's object store: a task returns
+an ``ObjectRef`` and a few numbers, never tensors, to Prefect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from engine import actors
+from engine.cluster import connect
+from engine.config import TrellisConfig
+
+_NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@dataclass
+class BatchRef:
+    """A produced batch: small numbers for Prefect, the samples in Ray's object store."""
+
+    summary: dict[str, float]
+    produced: ray.ObjectRef
+
+
+@dataclass
+class PreparedRef:
+    info: dict[str, float]
+    prepared: ray.ObjectRef
+
+
+def _timeout(config: TrellisConfig) -> float:
+    return config.cluster.ray_get_timeout_s
+
+
+@task(name="attach_workers", retries=2, retry_delay_seconds=2, **_NOT_STORED)
+def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
+    """Connect to the cluster and get (or create) the run's named actors; report where they stand."""
+    address = connect(config.cluster)
+    workers = actors.attach_workers(config)
+    applied = ray.get(workers.trainer.applied_step.remote(), timeout=_timeout(config))
+    report = ray.get(workers.controller.train_report.remote(), timeout=_timeout(config))
+    return {"address": address, "total_train_steps": workers.total_train_steps, "applied_step": applied, "train_report": report}
+
+
+@task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
+    if task_run.run_count > 1 and not actors.rollout_alive(config):
+        actors.restart_rollout(config)  # a retry after a lost rollout worker
+    controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
+    summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
+    return BatchRef(ray.get(summary_ref, timeout=_timeout(config)), produced_ref)
+
+
+@task(name="write_trajectories", task_run_name="write_trajectories[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def write_trajectories(config: TrellisConfig, step: int, batch: BatchRef) -> str:
+    controller = actors.lookup(config, "controller")
+    return ray.get(controller.write_trajectories.remote(batch.produced, step, "train"), timeout=_timeout(config))
+
+
+@task(name="prepare_data", task_run_name="prepare_data[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def prepare_data(config: TrellisConfig, step: int, batch: BatchRef) -> PreparedRef:
+    info_ref, prepared_ref = actors.lookup(config, "controller").prepare_data.remote(batch.produced, step)
+    return PreparedRef(ray.get(info_ref, timeout=_timeout(config)), prepared_ref)
+
+
+@task(name="fit", task_run_name="fit[step={step}]", retries=0, **_NOT_STORED)
+def fit(config: TrellisConfig, step: int, prepared: PreparedRef) -> dict[str, float]:
+    """Not retried: an update is not idempotent, and the worker refuses a step it already applied."""
+    trainer = actors.lookup(config, "trainer")
+    result = ray.get(trainer.fit.remote(prepared.prepared, step), timeout=_timeout(config))
+    return result.metrics
+
+
+@task(name="sync_weights", task_run_name="sync_weights[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def sync_weights(config: TrellisConfig, step: int) -> int:
+    """Trainer weights reach the rollout worker through the object store, with no disk round trip."""
+    if task_run.run_count > 1 and not actors.rollout_alive(config):
+        actors.restart_rollout(config)
+    weights = actors.lookup(config, "trainer").export_weights.remote()
+    return ray.get(actors.lookup(config, "rollout").load_weights.remote(weights, step), timeout=_timeout(config))
+
+
+@task(name="evaluate", task_run_name="evaluate[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def evaluate(config: TrellisConfig, step: int) -> tuple[str, dict[str, float]]:
+    if task_run.run_count > 1 and not actors.rollout_alive(config):
+        actors.restart_rollout(config)
+    controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
+    return ray.get(controller.evaluate.remote(step, rollout), timeout=_timeout(config))
+
+
+@task(name="release_workers", **_NOT_STORED)
+def release_workers(config: TrellisConfig) -> None:
+    actors.release_workers(config)

@@ -1,0 +1,180 @@
+"""The colocated step as Prefect flow runs on a real local Ray cluster, trajectories as Parquet."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.dataset as ds
+import pytest
+import ray
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
+
+from engine.config_loading import load_config
+from flows.rl_train import rl_train
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A real head started with `ray start --block`; ending that process stops exactly this cluster."""
+    port = _free_port()
+    kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while subprocess.run([RAY, "status", f"--address={address}"], capture_output=True).returncode != 0:
+        assert time.time() < deadline and head.poll() is None, "the Ray head did not come up"
+        time.sleep(0.5)
+    # Workers import the fault-injecting reward functions from tests/.
+    env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+    yield {"address": address, "kill_file": kill_file}
+    ray.shutdown()
+    head.send_signal(signal.SIGTERM)
+    head.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, **changes):
+    base = dict(
+        load_from=str(tiny_model),
+        train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        eval_dataset={"path": str(reverse_data["eval"]), "max_prompt_length": 64, "limit": 32},
+        work_dir=str(tmp_path),
+        total_train_steps=3,
+        sync_weights_interval=2,
+        evaluate_step=2,
+        exp_tracker="tensorboard",
+        cluster={"address": ray_cluster["address"]},
+    )
+    return load_config("configs/tiny_reverse.yaml", **{**base, **changes})
+
+
+def read_lake(config, split="train"):
+    return ds.dataset(f"{config.run_uri}/trajectories/split={split}", format="parquet", partitioning="hive").to_table()
+
+
+async def task_runs_named(prefix: str) -> list:
+    async with get_client() as client:
+        return [run for run in await client.read_task_runs() if run.name.startswith(prefix)]
+
+
+def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="three_steps")
+    rl_train(config)
+
+    table = read_lake(config)
+    assert table.num_rows == 3 * config.train_batch_size * config.prompt_repeat_k
+    rows = table.to_pylist()
+    for column in ("run", "train_step", "policy_version", "rollout_id", "group_id", "session_id", "task_name",
+                   "data_source", "status", "finish_reason", "error_msg", "prompt", "label", "response",
+                   "prompt_ids", "response_ids", "rollout_logprobs", "reward", "reward_payload", "prompt_len", "response_len"):
+        assert column in table.column_names
+    assert all(r["response_ids"] and len(r["rollout_logprobs"]) == len(r["response_ids"]) for r in rows)
+    assert len({r["rollout_id"] for r in rows}) == len(rows)
+    # Weights sync every 2 steps: steps 1 and 2 are sampled by the initial policy, step 3 by step 2's.
+    versions = {r["step"]: r["policy_version"] for r in rows}
+    assert versions == {1: 0, 2: 0, 3: 2}
+
+    # A user who knows nothing of trellis reads the same files with DuckDB.
+    glob = f"{config.run_uri}/trajectories/split=train/*/*.parquet"
+    per_step = duckdb.sql(f"SELECT CAST(step AS INT) AS s, count(*) FROM read_parquet('{glob}', hive_partitioning=true) GROUP BY s ORDER BY s").fetchall()
+    assert per_step == [(1, 128), (2, 128), (3, 128)]
+    eval_steps = [r["step"] for r in read_lake(config, "eval").to_pylist()]
+    assert sorted(set(eval_steps)) == [0, 2] and len(eval_steps) == 64  # initial evaluation, then step 2
+
+    names = {run.name for run in await_(task_runs_named(""))}
+    for phase in ("produce_batch", "write_trajectories", "prepare_data", "fit", "log_step"):
+        assert {f"{phase}[step={s}]" for s in (1, 2, 3)} <= names
+    assert {"sync_weights[step=2]", "evaluate[step=2]"} <= names and "sync_weights[step=1]" not in names
+
+    metrics = [line for line in (Path(config.run_uri) / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4  # initial evaluation + 3 steps
+    assert any((Path(config.run_uri) / "logs" / "tensorboard").iterdir())
+    artifacts = await_(read_artifacts())
+    assert {"three-steps-step-metrics", "three-steps-trajectories", "three-steps-eval-trajectories"} <= {a.key for a in artifacts}
+
+
+async def read_artifacts():
+    async with get_client() as client:
+        return await client.read_artifacts()
+
+
+def await_(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    keep = {"address": ray_cluster["address"], "release_workers_at_end": False}
+    first = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="reattach", total_train_steps=2,
+                        enable_evaluate=False, enable_initial_evaluate=False, cluster=keep)
+    rl_train(first)
+    namespace = first.ray_namespace
+    pids = {role: ray.get(ray.get_actor(f"reattach-{role}", namespace=namespace).pid.remote()) for role in ("controller", "trainer", "rollout")}
+
+    second = first.model_copy(update={"total_train_steps": 4, "cluster": first.cluster.model_copy(update={"release_workers_at_end": True})})
+    rl_train(second)
+    rows = read_lake(second).to_pylist()
+    assert sorted({r["step"] for r in rows}) == [1, 2, 3, 4]
+    assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
+    fit_runs = [run.name for run in await_(task_runs_named("fit[")) if run.flow_run_id]
+    assert fit_runs.count("fit[step=1]") >= 1
+    # The second run trained steps 3 and 4 only, on the same processes.
+    trainer_steps = sorted(r["train_step"] for r in rows if r["policy_version"] == 2)
+    assert trainer_steps and min(trainer_steps) == 3
+    with pytest.raises(ValueError):  # released at the end of the second run
+        ray.get_actor("reattach-trainer", namespace=namespace)
+    assert len(set(pids.values())) == 3
+
+
+def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """While step 1 is scored, the rollout worker is SIGKILLed. Step 2's produce_batch fails on it,
+    Prefect retries the task, the retry restarts the worker with the trainer's current weights, and
+    the run ends with every sample of every step in the lake exactly once."""
+    from engine.actors import attach_workers, lookup
+
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="lost_rollout",
+                         enable_evaluate=False, enable_initial_evaluate=False, total_train_steps=4,
+                         reward={"function": "fault_rewards:kill_rollout_once"})
+    rollout_pid = ray.get(attach_workers(config).rollout.pid.remote())
+    kill_file = ray_cluster["kill_file"]
+    kill_file.write_text(str(rollout_pid))  # armed: the first scoring call kills the rollout worker
+    rl_train(config)
+
+    retried = [run for run in await_(task_runs_named("produce_batch[step=")) if run.run_count > 1]
+    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("produce_batch[step=2]", 2, "Completed")]
+    assert not kill_file.exists()
+    rows = read_lake(config).to_pylist()
+    assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
+    versions = {r["step"]: r["policy_version"] for r in rows}
+    # No sync at step 1 (interval 2), but the restarted worker took the trainer's step-1 weights.
+    assert versions == {1: 0, 2: 1, 3: 2, 4: 2}
+    with pytest.raises(ValueError):  # the run released its workers, the restarted one included
+        lookup(config, "rollout")
