@@ -1,8 +1,10 @@
-"""trellis's in-process GRPO step against TRL's GRPOTrainer on the same model, task and settings.
+"""trellis's GRPO step against TRL's GRPOTrainer on the same model, task and settings.
 
-Both run alternately as child processes of this one (A B A B ...), so that machine noise hits both
-alike. Prints median seconds and CPU-seconds per step, and as the last line
-`ratio_vs_trl <trellis median / TRL median>` (goal: <= 0.7).
+Three contestants run alternately as child processes of this one (A B C A B C ...), so that machine
+noise hits all alike: trellis's in-process engine, trellis's full orchestrated step (Prefect flow
+runs driving Ray actors; bench/trellis_flow_step.py) and TRL. Prints median seconds and CPU-seconds
+per step, the orchestration overhead per step, and as the last line
+`ratio_vs_trl <trellis engine median / TRL median>` (goal: <= 0.7).
 
     python bench/cpu_step.py [--rounds 3] [--steps 20]
 """
@@ -40,19 +42,25 @@ def main() -> None:
         root = Path(tmp)
         model = build_tiny_checkpoint(root / "tiny")
         data = write_dataset(root / "train.parquet", 4096, seed=0)
-        results: dict[str, dict[str, list[float]]] = {"trellis": {"wall": [], "cpu": [], "rss": []}, "trl": {"wall": [], "cpu": [], "rss": []}}
+        contestants = (("trellis", "trellis_step.py", WARMUP_STEPS), ("trellis-flow", "trellis_flow_step.py", 0), ("trl", "trl_peer.py", WARMUP_STEPS))
+        results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": []} for name, _, _ in contestants}
         for round_index in range(args.rounds):
-            for name, script in (("trellis", "trellis_step.py"), ("trl", "trl_peer.py")):
+            for name, script, skip in contestants:
                 figures = run(script, model, data, args.steps, root / f"{name}-{round_index}.json")
-                results[name]["wall"] += figures["wall"][WARMUP_STEPS:]
-                results[name]["cpu"] += figures["cpu"][WARMUP_STEPS:]
+                results[name]["wall"] += figures["wall"][skip:]
+                results[name]["cpu"] += figures["cpu"][skip:]
+                results[name]["overhead"] += figures.get("overhead", [])
                 results[name]["rss"].append(figures["peak_rss_gb"])
-                print(f"round {round_index + 1} {name:8s} median {statistics.median(figures['wall'][WARMUP_STEPS:]):.3f} s/step", flush=True)
+                print(f"round {round_index + 1} {name:12s} median {statistics.median(figures['wall'][skip:]):.3f} s/step", flush=True)
 
     medians = {name: statistics.median(r["wall"]) for name, r in results.items()}
     for name, r in results.items():
-        print(f"{name:8s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
-              f"RSS {max(r['rss']):.2f} GB (main process)   steps timed {len(r['wall'])}")
+        print(f"{name:12s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
+              f"RSS {max(r['rss']):.2f} GB (driver process)   steps timed {len(r['wall'])}")
+    overhead = statistics.median(results["trellis-flow"]["overhead"])
+    print(f"orchestration overhead (step interval - phase times) {overhead:.3f} s/step")
+    print(f"flow_vs_trl {medians['trellis-flow'] / medians['trl']:.3f}")
+    print(f"flow_vs_engine {medians['trellis-flow'] / medians['trellis']:.3f}")
     print(f"ratio_vs_trl {medians['trellis'] / medians['trl']:.3f}")
 
 

@@ -126,6 +126,9 @@ def _train_with_flow(cfg) -> None:
     import threading
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # Without a Prefect server, each run starts a temporary one; its telemetry write races the run's
+    # first writes on the shared SQLite file ("database is locked"). Nothing here needs telemetry.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from tqdm import tqdm
 

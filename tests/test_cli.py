@@ -26,7 +26,7 @@ def test_missing_model_path_is_reported_before_anything_starts(tmp_path, reverse
     assert "Traceback" not in result.stderr
 
 
-def test_tiny_model_then_train_end_to_end(tmp_path):
+def test_tiny_model_then_train_through_the_flow(tmp_path, ray_cluster):
     built = trellis("tiny-model", str(tmp_path / "tiny"), "--data", str(tmp_path / "data"))
     assert built.returncode == 0, built.stderr
     result = trellis(
@@ -36,7 +36,24 @@ def test_tiny_model_then_train_end_to_end(tmp_path):
         "--set", f"eval_dataset.path={tmp_path}/data/eval.parquet",
         "--set", f"work_dir={tmp_path}/runs",
         "--set", "total_train_steps=2", "--set", "evaluate_step=1", "--set", "eval_dataset.limit=32",
+        "--set", f"cluster.address={ray_cluster['address']}",
     )
     assert result.returncode == 0, result.stderr
     assert "eval accuracy" in result.stdout
+    assert f"trajectories: {tmp_path}/runs/tiny_reverse/trajectories" in result.stdout
+    assert (tmp_path / "runs" / "tiny_reverse" / "trajectories" / "split=train" / "step=000002" / "part-0.parquet").exists()
     assert (tmp_path / "runs" / "tiny_reverse" / "logs" / "metrics.jsonl").exists()
+    assert "Traceback" not in result.stderr
+
+
+def test_in_process_training_needs_no_cluster(tmp_path, tiny_model, reverse_data):
+    result = trellis(
+        "train", "configs/tiny_reverse.yaml", "--in-process",
+        "--set", f"load_from={tiny_model}",
+        "--set", f"train_dataset.path={reverse_data['train']}",
+        "--set", f"eval_dataset.path={reverse_data['eval']}",
+        "--set", f"work_dir={tmp_path}/runs",
+        "--set", "total_train_steps=2", "--set", "evaluate_step=1", "--set", "eval_dataset.limit=32",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "eval accuracy" in result.stdout

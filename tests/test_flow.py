@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -21,37 +15,6 @@ from prefect.testing.utilities import prefect_test_harness
 from engine.config_loading import load_config
 from flows.rl_train import rl_train
 
-ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A real head started with `ray start --block`; ending that process stops exactly this cluster."""
-    port = _free_port()
-    kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while subprocess.run([RAY, "status", f"--address={address}"], capture_output=True).returncode != 0:
-        assert time.time() < deadline and head.poll() is None, "the Ray head did not come up"
-        time.sleep(0.5)
-    # Workers import the fault-injecting reward functions from tests/.
-    env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
-    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-    yield {"address": address, "kill_file": kill_file}
-    ray.shutdown()
-    head.send_signal(signal.SIGTERM)
-    head.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

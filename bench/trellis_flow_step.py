@@ -1,0 +1,96 @@
+"""trellis's full orchestrated step: Prefect flow runs driving Ray actors on a local head it starts.
+
+Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON
+A first flow run of 3 steps warms the workers up and keeps them; a second flow run re-attaches and
+runs STEPS more, which are the ones measured: wall seconds between consecutive `rl_step` flow-run
+starts (everything the user waits for), CPU seconds of the whole process tree (Prefect's server and
+Ray's processes included), and the orchestration overhead (step interval minus its phase times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+from _measure import StepClock  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
+
+from engine.config_loading import load_config  # noqa: E402
+from flows.rl_train import rl_train  # noqa: E402
+
+WARMUP_STEPS = 3
+PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
+
+
+def start_head() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    while subprocess.run([ray, "status", f"--address={address}"], capture_output=True).returncode != 0:
+        time.sleep(0.5)
+    return head, address
+
+
+async def step_starts(since_s: float) -> dict[int, float]:
+    """Start times of this bench's rl_step flow runs (the local Prefect database keeps older ones)."""
+    async with get_client() as client:
+        runs = await client.read_flow_runs()
+    starts = {}
+    for run in runs:
+        if run.name.startswith("rl_step[step=") and run.start_time is not None and run.start_time.timestamp() >= since_s:
+            starts[int(run.name.split("=")[1].rstrip("]"))] = run.start_time.timestamp()
+    return starts
+
+
+def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
+    head, address = start_head()
+    try:
+        with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            config = load_config(
+                None, load_from=model_dir, train_dataset={"path": train_path}, total_train_steps=WARMUP_STEPS,
+                train_batch_size=16, prompt_repeat_k=8, rollout={"temperature": 1.0, "max_new_tokens": 8},
+                optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
+                cluster={"address": address, "release_workers_at_end": False},
+            )
+            rl_train(config)
+            clock = StepClock()
+            since_s = time.time()
+            clock.start()
+            rl_train(config.model_copy(update={"total_train_steps": WARMUP_STEPS + steps}))
+            clock.stop()
+            starts = asyncio.run(step_starts(since_s))
+            records = {r["step"]: r for r in map(json.loads, (Path(tmp) / "bench" / "logs" / "metrics.jsonl").read_text().splitlines())}
+            measured = range(WARMUP_STEPS + 1, WARMUP_STEPS + steps)  # the last step has no successor start
+            wall = [starts[s + 1] - starts[s] for s in measured]
+            overhead = [starts[s + 1] - starts[s] - sum(records[s].get(p, 0.0) for p in PHASES) for s in measured]
+            phases = [{p: records[s].get(p, 0.0) for p in PHASES} for s in measured]
+        clock.wall = wall
+        clock.cpu = [clock.cpu[0] / steps] * len(wall)
+        clock.dump(out, overhead=overhead, phases=phases, rewards=[records[s]["response/rewards/mean"] for s in measured])
+    finally:
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
