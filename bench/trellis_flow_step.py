@@ -35,6 +35,7 @@ from engine.config_loading import load_config  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
+# Phases that do work; switch_to_* are colocation hand-overs (no-ops on CPU) and count as overhead.
 PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
 
 

@@ -45,7 +45,11 @@ class StepReport:
 
 
 class LocalRun:
-    """Builds every engine part from a config and runs RL steps in-process."""
+    """Builds every engine part from a config and runs RL steps in-process.
+
+    With ``track`` (the default) it writes what the flow writes: metrics.jsonl and the train
+    trajectories as Parquet; benchmarks turn it off to time the engine alone.
+    """
 
     def __init__(self, config: TrellisConfig, *, track: bool = True) -> None:
         check_inputs(config)
@@ -97,6 +101,7 @@ class LocalRun:
         self.step = step
         metrics = self._step_metrics(produced, batch.info, fit.metrics, eval_metrics, timings)
         if self.tracker is not None:
+            self.controller.write_trajectories(produced.groups, step, "train")
             self.tracker.log(metrics, step)
         return StepReport(step, metrics)
 

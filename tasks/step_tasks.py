@@ -36,8 +36,14 @@ class PreparedRef:
     prepared: ray.ObjectRef
 
 
-def _timeout(config: TrellisConfig) -> float:
-    return config.cluster.ray_get_timeout_s
+def _wait(config: TrellisConfig, ref):
+    return ray.get(ref, timeout=config.cluster.ray_get_timeout_s)
+
+
+def _replace_lost_rollout_on_retry(config: TrellisConfig) -> None:
+    """On a retry a lost rollout worker is the likely cause: replace it before trying again."""
+    if task_run.run_count > 1 and not actors.rollout_alive(config):
+        actors.restart_rollout(config)
 
 
 @task(name="attach_workers", retries=2, retry_delay_seconds=2, **_NOT_STORED)
@@ -45,55 +51,72 @@ def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
     """Connect to the cluster and get (or create) the run's named actors; report where they stand."""
     address = connect(config.cluster)
     workers = actors.attach_workers(config)
-    applied = ray.get(workers.trainer.applied_step.remote(), timeout=_timeout(config))
-    report = ray.get(workers.controller.train_report.remote(), timeout=_timeout(config))
+    applied = _wait(config, workers.trainer.applied_step.remote())
+    report = _wait(config, workers.controller.train_report.remote())
     return {"address": address, "total_train_steps": workers.total_train_steps, "applied_step": applied, "train_report": report}
 
 
 @task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
-    if task_run.run_count > 1 and not actors.rollout_alive(config):
-        actors.restart_rollout(config)  # a retry after a lost rollout worker
+    _replace_lost_rollout_on_retry(config)
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
     summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
-    return BatchRef(ray.get(summary_ref, timeout=_timeout(config)), produced_ref)
+    return BatchRef(_wait(config, summary_ref), produced_ref)
+
+
+@task(name="switch_to_training", task_run_name="switch_to_training[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def switch_to_training(config: TrellisConfig, step: int) -> None:
+    """Colocated hand-over: the rollout worker frees the accelerator, the trainer takes it (no-ops on CPU)."""
+    _replace_lost_rollout_on_retry(config)
+    _wait(config, actors.lookup(config, "rollout").offload.remote())
+    _wait(config, actors.lookup(config, "trainer").onload.remote())
 
 
 @task(name="write_trajectories", task_run_name="write_trajectories[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def write_trajectories(config: TrellisConfig, step: int, batch: BatchRef) -> str:
     controller = actors.lookup(config, "controller")
-    return ray.get(controller.write_trajectories.remote(batch.produced, step, "train"), timeout=_timeout(config))
+    return _wait(config, controller.write_trajectories.remote(batch.produced, step, "train"))
 
 
 @task(name="prepare_data", task_run_name="prepare_data[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def prepare_data(config: TrellisConfig, step: int, batch: BatchRef) -> PreparedRef:
     info_ref, prepared_ref = actors.lookup(config, "controller").prepare_data.remote(batch.produced, step)
-    return PreparedRef(ray.get(info_ref, timeout=_timeout(config)), prepared_ref)
+    return PreparedRef(_wait(config, info_ref), prepared_ref)
 
 
 @task(name="fit", task_run_name="fit[step={step}]", retries=0, **_NOT_STORED)
 def fit(config: TrellisConfig, step: int, prepared: PreparedRef) -> dict[str, float]:
     """Not retried: an update is not idempotent, and the worker refuses a step it already applied."""
     trainer = actors.lookup(config, "trainer")
-    result = ray.get(trainer.fit.remote(prepared.prepared, step), timeout=_timeout(config))
+    result = _wait(config, trainer.fit.remote(prepared.prepared, step))
     return result.metrics
 
 
 @task(name="sync_weights", task_run_name="sync_weights[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def sync_weights(config: TrellisConfig, step: int) -> int:
-    """Trainer weights reach the rollout worker through the object store, with no disk round trip."""
-    if task_run.run_count > 1 and not actors.rollout_alive(config):
-        actors.restart_rollout(config)
-    weights = actors.lookup(config, "trainer").export_weights.remote()
-    return ray.get(actors.lookup(config, "rollout").load_weights.remote(weights, step), timeout=_timeout(config))
+    """Trainer weights reach the rollout worker through the object store, with no disk round trip;
+    then the trainer gives the accelerator back and the rollout worker wakes up."""
+    _replace_lost_rollout_on_retry(config)
+    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
+    version = _wait(config, rollout.load_weights.remote(trainer.export_weights.remote(), step))
+    _wait(config, trainer.offload.remote())
+    _wait(config, rollout.onload.remote())
+    return version
+
+
+@task(name="switch_to_rollout", task_run_name="switch_to_rollout[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def switch_to_rollout(config: TrellisConfig, step: int) -> None:
+    """A step without weight sync still hands the accelerator back to the rollout worker."""
+    _replace_lost_rollout_on_retry(config)
+    _wait(config, actors.lookup(config, "trainer").offload.remote())
+    _wait(config, actors.lookup(config, "rollout").onload.remote())
 
 
 @task(name="evaluate", task_run_name="evaluate[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def evaluate(config: TrellisConfig, step: int) -> tuple[str, dict[str, float]]:
-    if task_run.run_count > 1 and not actors.rollout_alive(config):
-        actors.restart_rollout(config)
+    _replace_lost_rollout_on_retry(config)
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
-    return ray.get(controller.evaluate.remote(step, rollout), timeout=_timeout(config))
+    return _wait(config, controller.evaluate.remote(step, rollout))
 
 
 @task(name="release_workers", **_NOT_STORED)

@@ -2,6 +2,8 @@
 
 import json
 
+import pyarrow.dataset as ds
+
 from engine.config_loading import load_config
 from engine.local_run import LocalRun
 
@@ -27,6 +29,8 @@ def test_fifty_grpo_steps_lift_held_out_greedy_accuracy(tiny_model, reverse_data
     lines = (tmp_path / "tiny_reverse" / "logs" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(0, 51))
     last = json.loads(lines[-1])
+    lake = ds.dataset(tmp_path / "tiny_reverse" / "trajectories" / "split=train", partitioning="hive").to_table()
+    assert lake.num_rows == 50 * 16 * 8 and sorted(set(lake.column("step").to_pylist())) == list(range(1, 51))
     for key in ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/step",
                 "throughput/effective_tgs", "throughput/rollout_tgs", "entropy/train", "mismatch/k3_kl"):
         assert key in last
