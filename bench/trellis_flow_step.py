@@ -27,15 +27,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
+import ray  # noqa: E402
 from _measure import StepClock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
 from engine.config_loading import load_config  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
-# Phases that do work; switch_to_* are colocation hand-overs (no-ops on CPU) and count as overhead.
 PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
 
 
@@ -55,7 +56,7 @@ def start_head() -> tuple[subprocess.Popen, str]:
 async def step_starts(since_s: float) -> dict[int, float]:
     """Start times of this bench's rl_step flow runs (the local Prefect database keeps older ones)."""
     async with get_client() as client:
-        runs = await client.read_flow_runs()
+        runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=200)
     starts = {}
     for run in runs:
         if run.name.startswith("rl_step[step=") and run.start_time is not None and run.start_time.timestamp() >= since_s:
@@ -89,6 +90,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
         clock.cpu = [clock.cpu[0] / steps] * len(wall)
         clock.dump(out, overhead=overhead, phases=phases, rewards=[records[s]["response/rewards/mean"] for s in measured])
     finally:
+        ray.shutdown()  # disconnect first, or the driver waits a minute for the stopped head and dies
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=60)
 

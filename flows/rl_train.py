@@ -18,8 +18,6 @@ from tasks.step_tasks import (
     prepare_data,
     produce_batch,
     release_workers,
-    switch_to_rollout,
-    switch_to_training,
     sync_weights,
     write_trajectories,
 )
@@ -39,8 +37,6 @@ def rl_step(config: TrellisConfig, step: int, clock: dict[str, float]) -> tuple[
     with phase("produce_batch", timings):
         batch = produce_batch(config, step)
     trajectories = write_trajectories.submit(config, step, batch)  # runs beside prepare_data and fit
-    with phase("switch_to_training", timings):
-        switch_to_training(config, step)
     with phase("prepare_data", timings):
         prepared = prepare_data(config, step, batch)
     with phase("fit", timings):
@@ -49,9 +45,6 @@ def rl_step(config: TrellisConfig, step: int, clock: dict[str, float]) -> tuple[
     if synced:
         with phase("sync_weights", timings):
             sync_weights(config, step)
-    else:
-        with phase("switch_to_rollout", timings):
-            switch_to_rollout(config, step)
     eval_metrics: dict[str, float] = {}
     links = {"trajectories": trajectories.result()}
     if synced and config.enable_evaluate and step % config.evaluate_step == 0:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import ray
 from prefect import task
+from ray.exceptions import RayActorError
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
@@ -60,16 +61,10 @@ def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
 def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
     _replace_lost_rollout_on_retry(config)
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
+    # Colocated hand-over (no-ops on CPU): the trainer gives the accelerator back, the rollout wakes.
+    _wait(config, [actors.lookup(config, "trainer").offload.remote(), rollout.onload.remote()])
     summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
     return BatchRef(_wait(config, summary_ref), produced_ref)
-
-
-@task(name="switch_to_training", task_run_name="switch_to_training[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
-def switch_to_training(config: TrellisConfig, step: int) -> None:
-    """Colocated hand-over: the rollout worker frees the accelerator, the trainer takes it (no-ops on CPU)."""
-    _replace_lost_rollout_on_retry(config)
-    _wait(config, actors.lookup(config, "rollout").offload.remote())
-    _wait(config, actors.lookup(config, "trainer").onload.remote())
 
 
 @task(name="write_trajectories", task_run_name="write_trajectories[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
@@ -88,6 +83,10 @@ def prepare_data(config: TrellisConfig, step: int, batch: BatchRef) -> PreparedR
 def fit(config: TrellisConfig, step: int, prepared: PreparedRef) -> dict[str, float]:
     """Not retried: an update is not idempotent, and the worker refuses a step it already applied."""
     trainer = actors.lookup(config, "trainer")
+    try:
+        _wait(config, [actors.lookup(config, "rollout").offload.remote(), trainer.onload.remote()])
+    except (ValueError, RayActorError):  # a lost rollout worker holds no memory; produce_batch replaces it
+        _wait(config, trainer.onload.remote())
     result = _wait(config, trainer.fit.remote(prepared.prepared, step))
     return result.metrics
 
@@ -102,14 +101,6 @@ def sync_weights(config: TrellisConfig, step: int) -> int:
     _wait(config, trainer.offload.remote())
     _wait(config, rollout.onload.remote())
     return version
-
-
-@task(name="switch_to_rollout", task_run_name="switch_to_rollout[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
-def switch_to_rollout(config: TrellisConfig, step: int) -> None:
-    """A step without weight sync still hands the accelerator back to the rollout worker."""
-    _replace_lost_rollout_on_retry(config)
-    _wait(config, actors.lookup(config, "trainer").offload.remote())
-    _wait(config, actors.lookup(config, "rollout").onload.remote())
 
 
 @task(name="evaluate", task_run_name="evaluate[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)

@@ -118,9 +118,9 @@ def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_da
 
 
 def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
-    """While step 1 is scored, the rollout worker is SIGKILLed. The next task that needs it (step 1's
-    hand-over to training) fails, Prefect retries it, the retry restarts the worker with the trainer's
-    current weights, and the run ends with every sample of every step in the lake exactly once."""
+    """While step 1 is scored, the rollout worker is SIGKILLed. Step 2's produce_batch fails on it,
+    Prefect retries the task, the retry restarts the worker with the trainer's current weights, and
+    the run ends with every sample of every step in the lake exactly once."""
     from engine.actors import attach_workers, lookup
 
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="lost_rollout",
@@ -132,12 +132,12 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
     rl_train(config)
 
     retried = [run for run in await_(task_runs_named("")) if run.run_count > 1]
-    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("switch_to_training[step=1]", 2, "Completed")]
+    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("produce_batch[step=2]", 2, "Completed")]
     assert not kill_file.exists()
     rows = read_lake(config).to_pylist()
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     versions = {r["step"]: r["policy_version"] for r in rows}
-    # The worker was replaced before step 1's update, so it serves the initial weights until step 2's sync.
-    assert versions == {1: 0, 2: 0, 3: 2, 4: 2}
+    # No sync at step 1 (interval 2), but the restarted worker took the trainer's step-1 weights.
+    assert versions == {1: 0, 2: 1, 3: 2, 4: 2}
     with pytest.raises(ValueError):  # the run released its workers, the restarted one included
         lookup(config, "rollout")
