@@ -92,7 +92,10 @@ def train(
     try:
         cfg = load_config(config, overrides)
         check_inputs(cfg)
-        _train_in_process(cfg) if in_process else _train_with_flow(cfg)
+        if in_process:
+            _train_in_process(cfg)
+        else:
+            _train_with_flow(cfg)
     except (ConfigError, InputError, DatasetError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
