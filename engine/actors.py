@@ -18,15 +18,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from engine.config import TrellisConfig
 from engine.controller import Controller
-from engine.local_run import resolve_total_steps, seed_everything
+from engine.local_run import build_rollout_backend, resolve_total_steps, seed_everything
 from engine.prepare import PreparedBatch
 from engine.produce import ProduceResult, produce_summary
 from engine.rollout.base import Generation, SamplingParams
-from engine.rollout.transformers_backend import TransformersRollout
-from engine.train_worker import FitResult, TrainingWorker, resolve_device
+from engine.train_worker import FitResult, TrainingWorker
 
 
-def _threads(config: TrellisConfig) -> None:
+def _set_up_process(config: TrellisConfig) -> None:
     torch.set_num_threads(config.cluster.torch_threads or os.cpu_count() or 1)
     seed_everything(config.seed, config.deterministic)
 
@@ -34,7 +33,7 @@ def _threads(config: TrellisConfig) -> None:
 @ray.remote(num_cpus=0)
 class TrainerActor:
     def __init__(self, config: TrellisConfig, total_train_steps: int, pad_token_id: int) -> None:
-        _threads(config)
+        _set_up_process(config)
         self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
 
     def fit(self, batch: PreparedBatch, step: int) -> FitResult:
@@ -61,12 +60,8 @@ class RolloutActor:
     def __init__(self, config: TrellisConfig, tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
 
-        _threads(config)
-        device = resolve_device(config.train_worker.device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.backend = TransformersRollout(
-            config.load_from, AutoTokenizer.from_pretrained(tokenizer_path), device=str(device), dtype=dtype, seed=config.seed
-        )
+        _set_up_process(config)
+        self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         return self.backend.generate(prompts, params)
@@ -118,7 +113,7 @@ class ControllerActor:
     """Produces, prepares, evaluates and stores batches; batches stay in the object store."""
 
     def __init__(self, config: TrellisConfig) -> None:
-        _threads(config)
+        _set_up_process(config)
         self.config = config
         self.controller = Controller(config)
 
@@ -181,7 +176,7 @@ def attach_workers(config: TrellisConfig) -> Workers:
     rollout = _get_or_create(RolloutActor, names["rollout"], config, config.tokenizer_source)
     applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
     if applied > 0 and served == 0:  # a rollout worker re-created after a loss starts from the checkpoint weights
-        ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), applied), timeout=timeout)
+        _load_trainer_weights(config, trainer, rollout)
     return Workers(controller, trainer, rollout, total, info["pad_token_id"])
 
 
@@ -206,12 +201,15 @@ def restart_rollout(config: TrellisConfig) -> ray.actor.ActorHandle:
     except ValueError:
         pass  # already gone from the registry
     rollout = _get_or_create(RolloutActor, name, config, config.tokenizer_source)
-    timeout = config.cluster.ray_get_timeout_s
-    trainer = lookup(config, "trainer")
-    step = ray.get(trainer.applied_step.remote(), timeout=timeout)
-    weights = trainer.export_weights.remote()
-    ray.get(rollout.load_weights.remote(weights, step), timeout=timeout)
+    _load_trainer_weights(config, lookup(config, "trainer"), rollout)
     return rollout
+
+
+def _load_trainer_weights(config: TrellisConfig, trainer, rollout) -> None:
+    """Give a (new) rollout worker the trainer's current weights, versioned by the trainer's step."""
+    timeout = config.cluster.ray_get_timeout_s
+    step = ray.get(trainer.applied_step.remote(), timeout=timeout)
+    ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), step), timeout=timeout)
 
 
 def release_workers(config: TrellisConfig) -> None:

@@ -38,6 +38,13 @@ def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
     return max(1, dataset_size // config.train_batch_size * config.total_epochs)
 
 
+def build_rollout_backend(config: TrellisConfig, tokenizer) -> TransformersRollout:
+    """The rollout backend on the trainer's device: bf16 on GPU, fp32 on CPU."""
+    device = resolve_device(config.train_worker.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TransformersRollout(config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed)
+
+
 @dataclass
 class StepReport:
     step: int
@@ -58,11 +65,7 @@ class LocalRun:
         self.controller = Controller(config)
         self.train_report = self.controller.train_report
         self.total_train_steps = resolve_total_steps(config, self.controller.dataset_size)
-        device = resolve_device(config.train_worker.device)
-        rollout_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.backend = TransformersRollout(
-            config.load_from, self.controller.tokenizer, device=str(device), dtype=rollout_dtype, seed=config.seed
-        )
+        self.backend = build_rollout_backend(config, self.controller.tokenizer)
         self.worker = TrainingWorker(
             config, total_train_steps=self.total_train_steps, pad_token_id=self.controller.pad_token_id
         )

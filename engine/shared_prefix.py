@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.prepare import IGNORE, TrainSequence
+from engine.token_rows import left_pad, unique_rows
 
 
 @dataclass
@@ -82,18 +83,8 @@ def can_share(sequences: list[TrainSequence]) -> bool:
 
 def to_shared_prefix(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> SharedPrefixBatch:
     chosen = [sequences[i] for i in indices]
-    prompt_rows: dict[tuple[int, ...], int] = {}
-    prompt_index = []
-    for seq in chosen:
-        prompt = tuple(seq.input_ids[: seq.prompt_length])
-        prompt_index.append(prompt_rows.setdefault(prompt, len(prompt_rows)))
-    prompts = list(prompt_rows)
-    width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        prompt_mask[row, width - len(prompt) :] = 1
+    prompts, prompt_index = unique_rows([seq.input_ids[: seq.prompt_length] for seq in chosen])
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
 
     responses = [seq.input_ids[seq.prompt_length :] for seq in chosen]
     response_width = max(len(r) for r in responses)

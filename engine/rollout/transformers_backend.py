@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
 
 from engine.rollout.base import Generation, SamplingParams
+from engine.token_rows import left_pad, unique_rows
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
@@ -55,9 +56,9 @@ class TransformersRollout:
         stop_ids = torch.tensor(sorted(set(self._eos_ids) | set(params.stop_token_ids)), device=self._device)
 
         # Identical prompts (a GRPO group) are prefilled once; their KV cache is then copied per sample.
-        rows: dict[tuple[int, ...], int] = {}
-        row_of_sample = torch.tensor([rows.setdefault(tuple(p), len(rows)) for p in prompts], device=self._device)
-        input_ids, attention_mask = self._left_pad(list(rows))
+        rows, row_index = unique_rows(prompts)
+        row_of_sample = torch.tensor(row_index, device=self._device)
+        input_ids, attention_mask = (t.to(self._device) for t in left_pad(rows, self._pad_id))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
@@ -106,15 +107,6 @@ class TransformersRollout:
             logits_to_keep=1,
         )
         return out.logits[:, -1, :].float()
-
-    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        return input_ids.to(self._device), attention_mask.to(self._device)
 
     def _to_generations(self, tokens_BT, logprobs_BT, lengths_B, finished_B) -> list[Generation]:
         tokens = tokens_BT.tolist()
