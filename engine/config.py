@@ -8,9 +8,28 @@ message that says what to change.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+
+from engine.secrets import REDACTED, redact_mapping
+
+
+def _no_masked_secrets(options: dict[str, Any]) -> dict[str, Any]:
+    masked = [name for name, value in options.items() if value == REDACTED]
+    if masked:
+        raise ValueError(
+            f"storage_options {masked} hold the mask {REDACTED!r}, not credentials: configs written out by "
+            "trellis (Prefect parameters, checkpoints) never carry secrets. Put the credentials in the "
+            "workers' environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or in the YAML file."
+        )
+    return options
+
+
+# JSON dumps of a config reach Prefect's API (flow parameters), checkpoints and logs: never credentials.
+StorageOptions = Annotated[
+    dict[str, Any], AfterValidator(_no_masked_secrets), PlainSerializer(redact_mapping, when_used="json")
+]
 
 
 class _Frozen(BaseModel):
@@ -29,7 +48,7 @@ class DatasetConfig(_Frozen):
     max_prompt_length: int = Field(
         1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
     )
-    storage_options: dict[str, str] = Field(default_factory=dict, description="Passed to fsspec (e.g. S3 endpoint).")
+    storage_options: StorageOptions = Field(default_factory=dict, description="Passed to fsspec (e.g. S3 endpoint).")
     limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")
 
 
@@ -123,6 +142,17 @@ class ClusterConfig(_Frozen):
     release_workers_at_end: bool = Field(
         True, description="Kill the run's actors when the run completes; false keeps them for a later flow run to re-attach."
     )
+    flow_retries: int = Field(
+        1, ge=0, description="Prefect retries of a failed rl_train flow run; each retry resumes from the last checkpoint."
+    )
+
+
+class LoadCheckpointConfig(_Frozen):
+    """An explicit checkpoint to start from (``auto_resume`` finds the latest one by itself)."""
+
+    checkpoint_path: str | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
+    load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments (e.g. after changing the lr).")
+    load_dataset: bool = Field(True, description="False: restart the prompt order instead of continuing it.")
 
 
 def validate_intervals(
@@ -164,7 +194,11 @@ class TrellisConfig(_Frozen):
     eval_dataset: DatasetConfig | None = None
     work_dir: str = Field("work_dirs", description="Any fsspec URI: trajectories, checkpoints, logs go here.")
     experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
-    storage_options: dict[str, str] = Field(default_factory=dict, description="fsspec options for work_dir.")
+    storage_options: StorageOptions = Field(
+        default_factory=dict,
+        description="fsspec options for work_dir. Credentials are better left to the environment (AWS_ACCESS_KEY_ID...); "
+        "secret-looking entries are masked wherever the config is written out.",
+    )
 
     train_batch_size: int = Field(16, gt=0, description="Prompts (groups) per training step.")
     prompt_repeat_k: int = Field(8, gt=0, description="Samples per prompt: the GRPO group size.")
@@ -188,7 +222,8 @@ class TrellisConfig(_Frozen):
     hf_max_keep: int | None = -1
     checkpoint_no_save_optimizer: bool = False
     checkpoint_no_save_replay_buffer: bool = False
-    auto_resume: bool = False
+    auto_resume: bool = Field(False, description="Continue from the latest complete checkpoint of this run, if any.")
+    load_checkpoint_cfg: LoadCheckpointConfig = Field(default_factory=LoadCheckpointConfig)
 
     seed: int = 42
     deterministic: bool = Field(False, description="Deterministic kernels and no micro-batch shuffle.")
@@ -263,3 +298,29 @@ class TrellisConfig(_Frozen):
     @property
     def run_uri(self) -> str:
         return f"{self.work_dir.rstrip('/')}/{self.experiment_name}"
+
+    def trajectory_root(self, split: str) -> str:
+        """Where a split's trajectories go: ``debug_rollout`` keeps its train batches in ``debug_rollout_dir``."""
+        if self.debug_rollout and split == "train" and self.debug_rollout_dir is not None:
+            return self.debug_rollout_dir
+        return self.run_uri
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return f"{self.run_uri}/checkpoints"
+
+    @property
+    def hf_uri(self) -> str:
+        return f"{self.run_uri}/hf"
+
+    def checkpoint_due(self, step: int, total_steps: int) -> bool:
+        """Checkpoint on the interval, and at the last step when it syncs weights (the run can then be extended)."""
+        if self.checkpoint_interval in (None, -1) or self.debug_rollout:
+            return False
+        last_synced = step == total_steps and step % self.sync_weights_interval == 0
+        return step % self.checkpoint_interval == 0 or last_synced
+
+    def hf_due(self, step: int, total_steps: int) -> bool:
+        if self.hf_interval in (None, -1) or self.debug_rollout:
+            return False
+        return step % self.hf_interval == 0 or step == total_steps

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from typing import Any
+
+from engine.checkpoint import load_object, save_object
 from engine.config import TrellisConfig
 from engine.data import PromptRecord, load_prompts
 from engine.evaluate import evaluation_metrics
-from engine.lake import summary, write_samples
+from engine.lake import read_groups, summary, write_samples
 from engine.prepare import PreparedBatch, prepare_train_data
 from engine.produce import ProduceResult, rollout_groups, sampling_params, step_seed
 from engine.rewards import RewardRunner
+from engine.rng import capture_rng, restore_rng
 from engine.rollout.base import RolloutBackend
 from engine.sampler import PromptSampler
-from engine.types import RolloutSample
+from engine.types import RolloutSample, Status
 
 _KEPT_SNAPSHOTS = 4
 
@@ -60,6 +64,18 @@ class Controller:
             id_prefix="train-",
         )
 
+    def load_batch(self, step: int) -> ProduceResult:
+        """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""
+        assert self.config.debug_rollout_dir is not None  # the config requires it in debug_train
+        groups = read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options)
+        samples = [s for group in groups for s in group]
+        return ProduceResult(
+            groups=groups,
+            produced_samples=len(samples),
+            produced_tokens=sum(len(s.response_ids) for s in samples),
+            failed_samples=sum(s.status == Status.FAILED for s in samples),
+        )
+
     def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
         config = self.config
         return prepare_train_data(
@@ -83,13 +99,31 @@ class Controller:
         samples = [sample for group in groups for sample in group]
         uri = write_samples(
             samples,
-            run_uri=self.config.run_uri,
+            run_uri=self.config.trajectory_root(split),
             run=self.config.experiment_name,
             split=split,
             step=step,
             storage_options=self.config.storage_options,
         )
         return uri, summary(samples)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "rng": capture_rng()}
+
+    def load_state_dict(self, state: dict[str, Any], *, load_dataset: bool = True) -> None:
+        if load_dataset:
+            self.sampler.load_state_dict(state["sampler"])
+        self._sampler_before_step.clear()
+        restore_rng(state["rng"])
+
+    def save_checkpoint(self, uri: str) -> None:
+        save_object(self.state_dict(), f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+
+    def load_checkpoint(self, uri: str, *, load_dataset: bool = True) -> None:
+        state = load_object(f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        self.load_state_dict(state, load_dataset=load_dataset)
 
     def close(self) -> None:
         self.rewards.close()

@@ -16,7 +16,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.types import RolloutSample
+from engine.types import RolloutSample, Status
 
 SCHEMA = pa.schema(
     [
@@ -94,6 +94,65 @@ def write_samples(
         pq.write_table(table, handle)
     fs.mv(temporary, final)
     return f"{partition_uri(run_uri, split, step)}/part-0.parquet"
+
+
+class LakeError(RuntimeError):
+    """A lake partition is missing or cannot be turned back into samples."""
+
+
+def stored_steps(run_uri: str, split: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Steps that have a part in ``{run}/trajectories/split={split}``."""
+    fs, folder = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories/split={split}", **(storage_options or {}))
+    fs.invalidate_cache()
+    if not fs.exists(folder):
+        return []
+    steps = []
+    for entry in fs.ls(folder, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("step=") and fs.exists(f"{entry.rstrip('/')}/part-0.parquet"):
+            steps.append(int(name.removeprefix("step=")))
+    return sorted(steps)
+
+
+def read_groups(run_uri: str, split: str, step: int, storage_options: dict[str, Any] | None = None) -> list[list[RolloutSample]]:
+    """One stored step back as groups of samples, in the order they were produced: what
+    ``debug_train`` replays into training (token ids, rollout logprobs, rewards, statuses)."""
+    uri = f"{partition_uri(run_uri, split, step)}/part-0.parquet"
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if not fs.exists(path):
+        raise LakeError(f"No stored batch for step {step}: {uri} does not exist.")
+    with fs.open(path, "rb") as handle:
+        rows = pq.read_table(handle).to_pylist()
+    groups: dict[str, list[RolloutSample]] = {}
+    for row in sorted(rows, key=lambda r: r["rollout_id"]):
+        groups.setdefault(row["group_id"], []).append(from_row(row))
+    return list(groups.values())
+
+
+def from_row(row: dict[str, Any]) -> RolloutSample:
+    return RolloutSample(
+        rollout_id=row["rollout_id"],
+        group_id=row["group_id"],
+        session_id=row["session_id"],
+        prompt_index=-1,
+        messages=list(row["prompt"] or []),
+        prompt_ids=list(row["prompt_ids"]),
+        label=row["label"],
+        data_source=row["data_source"],
+        task_name=row["task_name"],
+        extra=json.loads(row["extra"] or "{}"),
+        response_ids=list(row["response_ids"]),
+        logprobs=list(row["rollout_logprobs"]),
+        response=row["response"],
+        finish_reason=row["finish_reason"],
+        response_mask=None if row["response_mask"] is None else list(row["response_mask"]),
+        status=Status(row["status"]),
+        error=row["error_msg"],
+        reward=row["reward"],
+        reward_payload=json.loads(row["reward_payload"] or "{}"),
+        policy_version=row["policy_version"],
+        train_step=row["train_step"],
+    )
 
 
 def summary(samples: list[RolloutSample]) -> dict[str, float]:

@@ -8,16 +8,22 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.checkpoint import CheckpointError, downloaded, exists, load_object, untied_state_dict, upload_folder
 from engine.config import TrellisConfig
 from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights, token_entropy, token_logprobs
 from engine.packing import MicroBatch, pack, to_padded
 from engine.prepare import PreparedBatch, TrainSequence
+from engine.rng import capture_rng, restore_rng
 from engine.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
 
 logger = logging.getLogger(__name__)
@@ -191,6 +197,47 @@ class TrainingWorker:
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout backend (detached views; the receiver copies them)."""
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
+        """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
+        with tempfile.TemporaryDirectory() as tmp:
+            save_file(untied_state_dict(self.model), f"{tmp}/model.safetensors")
+            if save_optimizer:
+                torch.save(self.optimizer.state_dict(), f"{tmp}/optimizer.pt")
+            state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+            torch.save(state, f"{tmp}/trainer.pt")
+            upload_folder(tmp, uri, storage_options)
+
+    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
+        """Restore what ``save_checkpoint`` wrote; returns the checkpoint's step."""
+        uri = uri.rstrip("/")
+        with downloaded(f"{uri}/model.safetensors", storage_options) as local:
+            self.model.load_state_dict(load_file(local, device=str(self._device)), strict=True)
+        state = load_object(f"{uri}/trainer.pt", storage_options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if load_optimizer:
+            if not exists(f"{uri}/optimizer.pt", storage_options):
+                raise CheckpointError(
+                    f"{uri} holds no optimizer state (saved with checkpoint_no_save_optimizer); set "
+                    "load_checkpoint_cfg.load_optimizer_states=false to start with fresh AdamW moments."
+                )
+            self.optimizer.load_state_dict(load_object(f"{uri}/optimizer.pt", storage_options))
+        else:
+            self.optimizer.state.clear()
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        restore_rng(state["rng"])
+        self.applied_step = int(state["applied_step"])
+        return self.applied_step
+
+    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+        """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp)
+            upload_folder(Path(tmp), uri, storage_options)
 
     def offload(self) -> None:
         """Move parameters and optimizer state to CPU (a no-op when training on CPU)."""

@@ -1,0 +1,199 @@
+"""Checkpoints and HF exports through fsspec: a local folder or ``s3://`` alike.
+
+Layout (one folder per step, ``{run}/checkpoints/step-000012/``):
+
+    model.safetensors   policy weights (float32 master copy)
+    optimizer.pt        AdamW state (absent with ``checkpoint_no_save_optimizer``)
+    trainer.pt          applied step, lr-scheduler state, the trainer's RNG states
+    controller.pt       prompt-sampler state, the controller's RNG states
+    train_state.json    step, policy version, throughput counters
+    COMPLETE            written last: a folder without it is never resumed from
+
+Every worker writes its own files (as each rank of a distributed checkpoint would), then one
+``seal`` writes ``train_state.json`` and the marker, records the folder in ``meta.json`` and prunes
+old folders. Pruning never removes the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import fsspec
+import torch
+
+MARKER = "COMPLETE"
+TRAIN_STATE = "train_state.json"
+_STEP_DIR = re.compile(r"step-(\d{6})$")
+_CHUNK = 16 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or could not be read."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+class SaveStore:
+    """The step folders under one root (``{run}/checkpoints`` or ``{run}/hf``)."""
+
+    def __init__(self, root_uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.root = root_uri.rstrip("/")
+        self.fs, self._path = fsspec.core.url_to_fs(self.root, **dict(storage_options or {}))
+
+    def uri(self, step: int) -> str:
+        return f"{self.root}/{step_name(step)}"
+
+    def steps_on_disk(self) -> list[int]:
+        """Steps with a folder, complete or not."""
+        self.fs.invalidate_cache()
+        if not self.fs.exists(self._path):
+            return []
+        steps = []
+        for entry in self.fs.ls(self._path, detail=False):
+            match = _STEP_DIR.search(entry.rstrip("/"))
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def is_complete(self, step: int) -> bool:
+        return self.fs.exists(f"{self._path}/{step_name(step)}/{MARKER}")
+
+    def complete_steps(self) -> list[int]:
+        return [step for step in self.steps_on_disk() if self.is_complete(step)]
+
+    def latest(self) -> tuple[int, str] | None:
+        complete = self.complete_steps()
+        return (complete[-1], self.uri(complete[-1])) if complete else None
+
+    def begin(self, step: int) -> str:
+        """An empty folder for ``step``: what an earlier, interrupted attempt left there is removed."""
+        path = f"{self._path}/{step_name(step)}"
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+        self.fs.makedirs(path, exist_ok=True)
+        return self.uri(step)
+
+    def seal(self, step: int, record: Mapping[str, Any] | None = None) -> None:
+        """Mark ``step`` complete (its files must all be written) and record it in ``meta.json``."""
+        with self.fs.open(f"{self._path}/{step_name(step)}/{MARKER}", "w") as handle:
+            json.dump({"step": step, "sealed_at": time.time(), **(record or {})}, handle)
+        self._write_meta()
+
+    def prune(self, keep: int | None) -> list[int]:
+        """Keep the newest ``keep`` complete folders (None or -1: all); drop incomplete leftovers older
+        than the newest complete one. Returns the steps removed."""
+        complete = self.complete_steps()
+        if not complete:
+            return []
+        victims = [s for s in self.steps_on_disk() if s < complete[-1] and s not in complete]
+        if keep is not None and keep > 0:
+            victims += complete[:-keep]
+        for step in sorted(set(victims)):
+            self.fs.rm(f"{self._path}/{step_name(step)}", recursive=True)
+        if victims:
+            self._write_meta()
+        return sorted(set(victims))
+
+    def _write_meta(self) -> None:
+        meta = {"complete": [{"step": s, "uri": self.uri(s)} for s in self.complete_steps()]}
+        with self.fs.open(f"{self._path}/meta.json", "w") as handle:
+            json.dump(meta, handle, indent=2)
+
+
+# -- files ------------------------------------------------------------------------------------------
+
+
+def upload_folder(local_dir: str | Path, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Copy a local folder's files into ``uri`` through fsspec, streamed in chunks."""
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    fs.makedirs(path, exist_ok=True)
+    for name in sorted(os.listdir(local_dir)):
+        source = Path(local_dir) / name
+        if source.is_dir():
+            upload_folder(source, f"{uri.rstrip('/')}/{name}", storage_options)
+            continue
+        with open(source, "rb") as reader, fs.open(f"{path}/{name}", "wb") as writer:
+            shutil.copyfileobj(reader, writer, _CHUNK)
+
+
+@contextmanager
+def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[str]:
+    """A local path holding the file at ``uri`` (the file itself when it is already local)."""
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    if not fs.exists(path):
+        raise CheckpointError(f"{uri} does not exist.")
+    if "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, os.path.basename(path))
+        with fs.open(path, "rb") as reader, open(local, "wb") as writer:
+            shutil.copyfileobj(reader, writer, _CHUNK)
+        yield local
+
+
+def save_object(obj: Any, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    with fs.open(path, "wb") as handle:
+        torch.save(obj, handle)
+
+
+def load_object(uri: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    with downloaded(uri, storage_options) as local:
+        return torch.load(local, map_location="cpu", weights_only=True)
+
+
+def exists(uri: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    return fs.exists(path)
+
+
+def write_json(data: Mapping[str, Any], uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    with fs.open(path, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+
+
+def read_json(uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    try:
+        with fs.open(path, "r") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{uri} does not exist.") from None
+
+
+def require_complete(checkpoint_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The train state of a complete checkpoint; a clear error for anything else."""
+    uri = checkpoint_uri.rstrip("/")
+    if not exists(uri, storage_options):
+        raise CheckpointError(f"Checkpoint {uri} does not exist.")
+    if not exists(f"{uri}/{MARKER}", storage_options):
+        raise CheckpointError(
+            f"Checkpoint {uri} is incomplete (no {MARKER} marker): its write was interrupted. "
+            "Resume from an earlier one."
+        )
+    return read_json(f"{uri}/{TRAIN_STATE}", storage_options)
+
+
+def untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors, contiguous on CPU, each storage written once (safetensors refuses shared
+    storage such as tied embeddings; the copies load back into the same tied parameter)."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu")
+        pointer = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone().contiguous() if pointer in seen else tensor.contiguous()
+        seen.add(pointer)
+    return tensors

@@ -1,0 +1,96 @@
+"""Where a run starts (from scratch, from live workers, or from a checkpoint) and how its checkpoints
+and HF exports are opened and sealed.
+
+The same rules serve the in-process run, ``trellis train --resume``, ``auto_resume`` and a Prefect
+flow retry. A checkpoint is sealed only after its step is fully recorded (trajectories, metrics,
+evaluation), so resuming from step ``c`` and re-running ``c+1...`` reproduces what was lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.checkpoint import TRAIN_STATE, CheckpointError, SaveStore, require_complete, write_json
+from engine.config import TrellisConfig
+from engine.metrics import ThroughputMeter
+
+
+class RunExistsError(CheckpointError):
+    """A fresh start was asked for where a run has already saved checkpoints."""
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """``restore``: load ``checkpoint`` into every worker. ``reattach``: the live trainer is exactly at
+    ``checkpoint``; only the controller is restored. ``continue``: live workers, no checkpoint
+    involved. ``restart``: drop the live workers and start over. ``fresh``: nothing to resume."""
+
+    action: Literal["fresh", "continue", "reattach", "restore", "restart"]
+    step: int  # the last completed step; training starts at step + 1
+    checkpoint: str | None = None
+
+
+def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0) -> StartPlan:
+    explicit = config.load_checkpoint_cfg.checkpoint_path
+    if explicit:
+        return StartPlan("restore", int(require_complete(explicit, config.storage_options)["step"]), explicit.rstrip("/"))
+    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    if resume or config.auto_resume:
+        if latest is not None:
+            step, uri = latest
+            return StartPlan("reattach" if applied_step == step else "restore", step, uri)
+        # Live workers ahead of any checkpoint may hold a half-recorded step: start over.
+        return StartPlan("restart" if applied_step > 0 else "fresh", 0)
+    if applied_step > 0:
+        return StartPlan("continue", applied_step)
+    if latest is not None:
+        raise RunExistsError(
+            f"{config.run_uri} already holds checkpoints up to step {latest[0]}. Resume it (auto_resume=true, "
+            "or `trellis train --resume`), or pick another experiment_name or work_dir."
+        )
+    return StartPlan("fresh", 0)
+
+
+def train_state(step: int, meter: ThroughputMeter, *, policy_version: int) -> dict[str, float | int]:
+    """The run-level counters a checkpoint carries besides the workers' state."""
+    return {
+        "step": step,
+        "policy_version": policy_version,
+        "samples": meter.samples,
+        "tokens": meter.tokens,
+        "elapsed_s": time.time() - meter.started_s,
+    }
+
+
+def meter_from(state: dict[str, float | int] | None) -> ThroughputMeter:
+    """A throughput meter that continues the counters of ``state`` (a fresh one without it)."""
+    if state is None:
+        return ThroughputMeter(started_s=time.time())
+    return ThroughputMeter(
+        started_s=time.time() - float(state["elapsed_s"]), samples=float(state["samples"]), tokens=float(state["tokens"])
+    )
+
+
+def begin_checkpoint(config: TrellisConfig, step: int) -> str:
+    """An empty checkpoint folder for ``step``; the workers then write their parts into it."""
+    return SaveStore(config.checkpoint_uri, config.storage_options).begin(step)
+
+
+def seal_checkpoint(config: TrellisConfig, step: int, state: dict[str, float | int]) -> list[int]:
+    """Write the train state and the marker, then prune; returns the pruned steps."""
+    store = SaveStore(config.checkpoint_uri, config.storage_options)
+    write_json(state, f"{store.uri(step)}/{TRAIN_STATE}", config.storage_options)
+    store.seal(step, {"policy_version": state["policy_version"]})
+    return store.prune(config.checkpoint_maxkeep)
+
+
+def begin_hf_export(config: TrellisConfig, step: int) -> str:
+    return SaveStore(config.hf_uri, config.storage_options).begin(step)
+
+
+def seal_hf_export(config: TrellisConfig, step: int) -> list[int]:
+    store = SaveStore(config.hf_uri, config.storage_options)
+    store.seal(step)
+    return store.prune(config.hf_max_keep)
