@@ -82,33 +82,40 @@ def train(
     config: Annotated[Path, typer.Argument(help="YAML run configuration.")],
     overrides: Annotated[list[str], typer.Option("--set", help="key=value override, e.g. --set optim.lr=1e-4.")] = [],  # noqa: B006
     in_process: Annotated[bool, typer.Option("--in-process", help="Run the engine in this process: no Prefect, no Ray.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
 ) -> None:
     """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs)."""
+    from engine.checkpoint import CheckpointError
     from engine.config_loading import ConfigError, load_config
     from engine.data import DatasetError
+    from engine.lake import LakeError
     from engine.preflight import InputError, check_inputs
+    from engine.secrets import install_log_redaction
 
     _quiet_libraries()
     try:
         cfg = load_config(config, overrides)
+        install_log_redaction(cfg.storage_options)
         check_inputs(cfg)
         if in_process:
-            _train_in_process(cfg)
+            _train_in_process(cfg, resume)
         else:
-            _train_with_flow(cfg)
-    except (ConfigError, InputError, DatasetError) as error:
+            _train_with_flow(cfg, resume)
+    except (ConfigError, InputError, DatasetError, CheckpointError, LakeError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
 
 
-def _train_in_process(cfg) -> None:
+def _train_in_process(cfg, resume: bool) -> None:
     from tqdm import tqdm
 
     from engine.local_run import LocalRun
 
-    with LocalRun(cfg) as run:
+    with LocalRun(cfg, resume=resume) as run:
         typer.echo(f"train prompts: {run.train_report.summary()}")
-        with tqdm(total=run.total_train_steps, desc="train", unit="step", file=sys.stdout) as bar:
+        if run.step:
+            typer.echo(f"resumed from {run.plan.checkpoint} at step {run.step}")
+        with tqdm(total=run.total_train_steps, initial=run.step, desc="train", unit="step", file=sys.stdout) as bar:
 
             def on_step(report) -> None:
                 metrics = report.metrics
@@ -124,7 +131,7 @@ def _train_in_process(cfg) -> None:
     typer.echo(f"metrics: {cfg.run_uri}/logs/metrics.jsonl")
 
 
-def _train_with_flow(cfg) -> None:
+def _train_with_flow(cfg, resume: bool) -> None:
     import os
     import threading
 
@@ -145,7 +152,7 @@ def _train_with_flow(cfg) -> None:
     try:
         # The flow heartbeat thread costs ~1 s per flow call and guards nothing a CLI run needs.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            rl_train(cfg)
+            rl_train.with_options(retries=cfg.cluster.flow_retries)(cfg, resume=resume)
     finally:
         done.set()
         follower.join(timeout=5)
@@ -156,6 +163,10 @@ def _train_with_flow(cfg) -> None:
 def _say_where(cfg) -> None:
     typer.echo(f"trajectories: {cfg.run_uri}/trajectories  (Parquet, split=/step= partitions)")
     typer.echo(f"metrics:      {cfg.run_uri}/logs/metrics.jsonl")
+    if cfg.checkpoint_interval not in (None, -1):
+        typer.echo(f"checkpoints:  {cfg.checkpoint_uri}  (resume with --resume or auto_resume: true)")
+    if cfg.hf_interval not in (None, -1):
+        typer.echo(f"HF exports:   {cfg.hf_uri}")
     if cfg.exp_tracker == "tensorboard":
         typer.echo(f"tensorboard:  tensorboard --logdir {cfg.run_uri}/logs/tensorboard")
 

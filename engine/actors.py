@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 import torch
@@ -22,12 +22,14 @@ from engine.local_run import build_rollout_backend, resolve_total_steps, seed_ev
 from engine.prepare import PreparedBatch
 from engine.produce import ProduceResult, produce_summary
 from engine.rollout.base import Generation, SamplingParams
+from engine.secrets import install_log_redaction
 from engine.train_worker import FitResult, TrainingWorker
 
 
 def _set_up_process(config: TrellisConfig) -> None:
     torch.set_num_threads(config.cluster.torch_threads or os.cpu_count() or 1)
     seed_everything(config.seed, config.deterministic)
+    install_log_redaction(config.storage_options)
 
 
 @ray.remote(num_cpus=0)
@@ -44,6 +46,15 @@ class TrainerActor:
 
     def applied_step(self) -> int:
         return self.worker.applied_step
+
+    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], save_optimizer: bool) -> None:
+        self.worker.save_checkpoint(uri, storage_options, save_optimizer=save_optimizer)
+
+    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], load_optimizer: bool) -> int:
+        return self.worker.load_checkpoint(uri, storage_options, load_optimizer=load_optimizer)
+
+    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+        self.worker.export_hf(uri, storage_options, tokenizer_source)
 
     def offload(self) -> None:
         self.worker.offload()
@@ -129,6 +140,17 @@ class ControllerActor:
         return produce_summary(produced), produced
 
     @ray.method(num_returns=2)
+    def load_batch(self, step: int) -> tuple[dict[str, float], ProduceResult]:
+        produced = self.controller.load_batch(step)
+        return produce_summary(produced), produced
+
+    def save_checkpoint(self, uri: str) -> None:
+        self.controller.save_checkpoint(uri)
+
+    def load_checkpoint(self, uri: str, load_dataset: bool) -> None:
+        self.controller.load_checkpoint(uri, load_dataset=load_dataset)
+
+    @ray.method(num_returns=2)
     def prepare_data(self, produced: ProduceResult, step: int) -> tuple[dict[str, float], PreparedBatch]:
         batch = self.controller.prepare_data(produced.groups, step)
         return batch.info, batch
@@ -148,10 +170,19 @@ class ControllerActor:
 @dataclass
 class Workers:
     controller: ray.actor.ActorHandle
-    trainer: ray.actor.ActorHandle
-    rollout: ray.actor.ActorHandle
+    trainer: ray.actor.ActorHandle | None  # None in debug_rollout
+    rollout: ray.actor.ActorHandle | None  # None in debug_train
     total_train_steps: int
     pad_token_id: int
+
+
+def roles(config: TrellisConfig) -> tuple[str, ...]:
+    """The workers a run needs: debug_rollout starts no trainer, debug_train no rollout worker."""
+    if config.debug_rollout:
+        return ("controller", "rollout")
+    if config.debug_train:
+        return ("controller", "trainer")
+    return ("controller", "trainer", "rollout")
 
 
 def _names(config: TrellisConfig) -> dict[str, str]:
@@ -172,11 +203,16 @@ def attach_workers(config: TrellisConfig) -> Workers:
     info = ray.get(controller.info.remote(), timeout=timeout)
     # The total comes from the config of this flow run: a re-attached run may extend the first one.
     total = resolve_total_steps(config, info["dataset_size"])
-    trainer = _get_or_create(TrainerActor, names["trainer"], config, total, info["pad_token_id"])
-    rollout = _get_or_create(RolloutActor, names["rollout"], config, config.tokenizer_source)
-    applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
-    if applied > 0 and served == 0:  # a rollout worker re-created after a loss starts from the checkpoint weights
-        _load_trainer_weights(config, trainer, rollout)
+    needed = roles(config)
+    trainer = rollout = None
+    if "trainer" in needed:
+        trainer = _get_or_create(TrainerActor, names["trainer"], config, total, info["pad_token_id"])
+    if "rollout" in needed:
+        rollout = _get_or_create(RolloutActor, names["rollout"], config, config.tokenizer_source)
+    if trainer is not None and rollout is not None:
+        applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
+        if applied > 0 and served == 0:  # a rollout worker re-created after a loss takes the trainer's weights
+            _load_trainer_weights(config, trainer, rollout)
     return Workers(controller, trainer, rollout, total, info["pad_token_id"])
 
 
@@ -201,8 +237,26 @@ def restart_rollout(config: TrellisConfig) -> ray.actor.ActorHandle:
     except ValueError:
         pass  # already gone from the registry
     rollout = _get_or_create(RolloutActor, name, config, config.tokenizer_source)
-    _load_trainer_weights(config, lookup(config, "trainer"), rollout)
+    if "trainer" in roles(config):  # debug_rollout keeps the initial weights
+        _load_trainer_weights(config, lookup(config, "trainer"), rollout)
     return rollout
+
+
+def restore_checkpoint(config: TrellisConfig, uri: str, *, reattach: bool) -> None:
+    """Load a checkpoint into the run's live workers. ``reattach``: the trainer is already at that
+    checkpoint, so only the controller (prompt order, RNG) is restored."""
+    timeout = config.cluster.ray_get_timeout_s
+    load = config.load_checkpoint_cfg
+    waits = [lookup(config, "controller").load_checkpoint.remote(uri, load.load_dataset)]
+    if "trainer" in roles(config) and not reattach:
+        trainer = lookup(config, "trainer")
+        waits.append(trainer.load_checkpoint.remote(uri, config.storage_options, load.load_optimizer_states))
+    ray.get(waits, timeout=timeout)
+    if "trainer" in roles(config) and "rollout" in roles(config):
+        trainer, rollout = lookup(config, "trainer"), lookup(config, "rollout")
+        applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
+        if applied != served:
+            _load_trainer_weights(config, trainer, rollout)
 
 
 def _load_trainer_weights(config: TrellisConfig, trainer, rollout) -> None:
@@ -213,6 +267,7 @@ def _load_trainer_weights(config: TrellisConfig, trainer, rollout) -> None:
 
 
 def release_workers(config: TrellisConfig) -> None:
+    """Kill the run's actors (those that exist)."""
     for name in _names(config).values():
         try:
             ray.kill(ray.get_actor(name, namespace=config.ray_namespace), no_restart=True)

@@ -128,10 +128,11 @@ class JsonlTracker:
 
 
 class TensorboardTracker:
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run hides the events it is about to write again."""
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():

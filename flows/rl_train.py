@@ -1,5 +1,11 @@
-"""The RL loop as Prefect flows: ``rl_train`` attaches to the run's workers and runs one ``rl_step``
-flow run per training step, in the order of XTuner's colocated trainer. No math here."""
+"""The RL loop as Prefect flows: ``rl_train`` attaches to the run's workers, restores a checkpoint when
+resuming, and runs one ``rl_step`` flow run per training step, in the order of XTuner's colocated
+trainer. No math here.
+
+One change of order from the reference: the checkpoint's files are written where the reference
+saves (after ``fit``), but it is sealed after ``log_step``, so that a complete checkpoint always
+means its step's trajectories, metrics and evaluation are recorded too.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,24 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from engine.config import TrellisConfig
-from tasks.log_step import close_trackers, log_evaluation, log_step
+from engine.resume import meter_from
+from engine.secrets import install_log_redaction
+from tasks.log_step import close_trackers, log_evaluation, log_step, open_trackers
 from tasks.step_tasks import (
     attach_workers,
+    commit_checkpoint,
     evaluate,
+    export_hf,
     fit,
+    load_batch,
     prepare_data,
     produce_batch,
     release_workers,
+    restore_checkpoint,
+    save_checkpoint,
     sync_weights,
     write_trajectories,
 )
@@ -31,27 +45,40 @@ def phase(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 @flow(name="rl_step", flow_run_name="rl_step[step={step}]", persist_result=False)
-def rl_step(config: TrellisConfig, step: int, clock: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    timings: dict[str, float] = {}
+def rl_step(
+    config: TrellisConfig, step: int, clock: dict[str, float], total_steps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    timings: dict[str, float] = {"fit": 0.0}
     started = time.perf_counter()
+    links: dict[str, str] = {}
     with phase("produce_batch", timings):
-        batch = produce_batch(config, step)
-    trajectories = write_trajectories.submit(config, step, batch)  # runs beside prepare_data and fit
+        batch = load_batch(config, step) if config.debug_train else produce_batch(config, step)
+    trajectories = None if config.debug_train else write_trajectories.submit(config, step, batch)  # beside prepare and fit
     with phase("prepare_data", timings):
         prepared = prepare_data(config, step, batch)
-    with phase("fit", timings):
-        fit_metrics = fit(config, step, prepared)
-    synced = step % config.sync_weights_interval == 0
+    fit_metrics: dict[str, float] = {}
+    if not config.debug_rollout:
+        with phase("fit", timings):
+            fit_metrics = fit(config, step, prepared)
+    checkpoint_due = config.checkpoint_due(step, total_steps)
+    if checkpoint_due:
+        with phase("save_checkpoint", timings):
+            save_checkpoint(config, step)
+    if config.hf_due(step, total_steps):
+        with phase("save_hf", timings):
+            links["hf"] = export_hf(config, step)
+    synced = step % config.sync_weights_interval == 0 and not (config.debug_rollout or config.debug_train)
     if synced:
         with phase("sync_weights", timings):
             sync_weights(config, step)
     eval_metrics: dict[str, float] = {}
-    links = {"trajectories": trajectories.result()}
+    if trajectories is not None:
+        links["trajectories"] = trajectories.result()
     if synced and config.enable_evaluate and step % config.evaluate_step == 0:
         with phase("evaluate", timings):
             links["eval-trajectories"], eval_metrics = evaluate(config, step)
     timings["step"] = time.perf_counter() - started
-    return log_step(
+    metrics, clock = log_step(
         config,
         step,
         timings=timings,
@@ -62,25 +89,45 @@ def rl_step(config: TrellisConfig, step: int, clock: dict[str, float]) -> tuple[
         clock=clock,
         links=links,
     )
+    if checkpoint_due:  # sealed last: a complete checkpoint promises its step is fully recorded
+        commit_checkpoint(config, step, clock)
+    return metrics, clock
 
 
-@flow(name="rl_train", flow_run_name="rl_train[{config.experiment_name}]", persist_result=False)
-def rl_train(config: TrellisConfig) -> dict[str, float]:
-    """Train from the workers' current step to ``total_train_steps``; a re-run resumes where they are."""
+@flow(
+    name="rl_train",
+    flow_run_name="rl_train[{config.experiment_name}]",
+    persist_result=False,
+    retries=1,
+    retry_delay_seconds=2,
+)
+def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
+    """Train to ``total_train_steps``. With ``resume`` (or ``auto_resume``, or on a flow retry) the run
+    continues from its latest complete checkpoint; otherwise a re-run continues live workers."""
+    install_log_redaction(config.storage_options)
     logger = get_run_logger()
+    resume = resume or flow_run.get_run_count() > 1
     workers = attach_workers(config)
     logger.info("Workers on %s; train prompts: %s", workers["address"], workers["train_report"])
-    first, last = int(workers["applied_step"]) + 1, int(workers["total_train_steps"])
-    if first > 1:
-        logger.info("Re-attached to live workers at step %d", first - 1)
-    if config.enable_initial_evaluate and first == 1:
+    start = restore_checkpoint(config, resume, int(workers["applied_step"]))
+    if start["action"] != "fresh":
+        logger.info("Start: %s at step %d %s", start["action"], start["step"], start["checkpoint"] or "")
+    first, last = int(start["step"]) + 1, int(workers["total_train_steps"])
+    open_trackers(config, first)
+    trains_and_rolls = not (config.debug_rollout or config.debug_train)
+    if config.enable_initial_evaluate and first == 1 and trains_and_rolls:
         link, metrics = evaluate(config, 0)
         log_evaluation(config, 0, metrics, link)
-    clock = {"started_s": time.time(), "samples": 0.0, "tokens": 0.0}
+    clock = _clock(start["train_state"])
     metrics: dict[str, float] = {}
     for step in range(first, last + 1):
-        metrics, clock = rl_step(config, step, clock)
+        metrics, clock = rl_step(config, step, clock, last)
     close_trackers(config)
     if config.cluster.release_workers_at_end:
         release_workers(config)
     return metrics
+
+
+def _clock(state: dict | None) -> dict[str, float]:
+    meter = meter_from(state)
+    return {"started_s": meter.started_s, "samples": meter.samples, "tokens": meter.tokens}

@@ -2,37 +2,39 @@
 
 from __future__ import annotations
 
-import re
-
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from engine.config import TrellisConfig
 from engine.metrics import JsonlTracker, TensorboardTracker, ThroughputMeter, Tracker, assemble_step_metrics
+from tasks.artifacts import artifact_key
 
 
 _trackers: dict[str, list[Tracker]] = {}
+
+
+def open_trackers(config: TrellisConfig, first_step: int) -> None:
+    """(Re)open the run's trackers before its first step; a resumed run drops what it will redo."""
+    close_trackers(config)
+    logs = f"{config.run_uri}/logs"
+    chosen: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
+    if config.exp_tracker == "tensorboard":
+        chosen.append(TensorboardTracker(f"{logs}/tensorboard", purge_step=first_step if first_step > 1 else None))
+    _trackers[logs] = chosen
 
 
 def trackers(config: TrellisConfig) -> list[Tracker]:
     """One set of trackers per run and process: TensorBoard writers must not be reopened every step."""
     logs = f"{config.run_uri}/logs"
     if logs not in _trackers:
-        chosen: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
-        if config.exp_tracker == "tensorboard":
-            chosen.append(TensorboardTracker(f"{logs}/tensorboard"))
-        _trackers[logs] = chosen
+        open_trackers(config, first_step=1)
     return _trackers[logs]
 
 
 def close_trackers(config: TrellisConfig) -> None:
     for tracker in _trackers.pop(f"{config.run_uri}/logs", []):
         tracker.close()
-
-
-def _artifact_key(config: TrellisConfig, what: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", f"{config.experiment_name}-{what}".lower()).strip("-")
 
 
 @task(name="log_step", task_run_name="log_step[step={step}]", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE, persist_result=False)
@@ -56,12 +58,12 @@ def log_step(
     for tracker in trackers(config):
         tracker.log(metrics, step)
     create_table_artifact(
-        key=_artifact_key(config, "step-metrics"),
+        key=artifact_key(config, "step-metrics"),
         table=[{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())],
         description=f"{config.experiment_name}: metrics of step {step}",
     )
     for name, uri in links.items():
-        create_link_artifact(key=_artifact_key(config, name), link=uri, link_text=f"{name} of step {step}")
+        create_link_artifact(key=artifact_key(config, name), link=uri, link_text=f"{name} of step {step}")
     return metrics, {"started_s": meter.started_s, "samples": meter.samples, "tokens": meter.tokens}
 
 
@@ -71,5 +73,5 @@ def log_evaluation(config: TrellisConfig, step: int, eval_metrics: dict[str, flo
     metrics = {f"eval/{k}": v for k, v in eval_metrics.items()}
     for tracker in trackers(config):
         tracker.log(metrics, step)
-    create_link_artifact(key=_artifact_key(config, "eval-trajectories"), link=link, link_text=f"eval trajectories of step {step}")
+    create_link_artifact(key=artifact_key(config, "eval-trajectories"), link=link, link_text=f"eval trajectories of step {step}")
     return metrics

@@ -11,14 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import ray
-from prefect import task
-from ray.exceptions import RayActorError
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
+from ray.exceptions import RayActorError
 
 from engine import actors
+from engine.checkpoint import require_complete, step_name
 from engine.cluster import connect
 from engine.config import TrellisConfig
+from engine.metrics import ThroughputMeter
+from engine.resume import begin_checkpoint, begin_hf_export, plan_start, seal_checkpoint, seal_hf_export, train_state
+from engine.secrets import write_runtime_environment
+from tasks.artifacts import artifact_key
 
 _NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -51,10 +57,26 @@ def _replace_lost_rollout_on_retry(config: TrellisConfig) -> None:
 def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
     """Connect to the cluster and get (or create) the run's named actors; report where they stand."""
     address = connect(config.cluster)
+    write_runtime_environment(config.run_uri, config.storage_options)
     workers = actors.attach_workers(config)
-    applied = _wait(config, workers.trainer.applied_step.remote())
+    applied = _wait(config, workers.trainer.applied_step.remote()) if workers.trainer is not None else 0
     report = _wait(config, workers.controller.train_report.remote())
     return {"address": address, "total_train_steps": workers.total_train_steps, "applied_step": applied, "train_report": report}
+
+
+@task(name="restore_checkpoint", retries=1, retry_delay_seconds=2, **_NOT_STORED)
+def restore_checkpoint(config: TrellisConfig, resume: bool, applied_step: int) -> dict:
+    """Decide where the run starts and bring the workers there (see ``engine.resume.plan_start``).
+    Returns the plan and the checkpoint's train state (None when nothing was restored)."""
+    plan = plan_start(config, resume=resume, applied_step=applied_step)
+    state = None
+    if plan.action == "restart":
+        actors.release_workers(config)
+        actors.attach_workers(config)
+    elif plan.checkpoint is not None:
+        state = require_complete(plan.checkpoint, config.storage_options)
+        actors.restore_checkpoint(config, plan.checkpoint, reattach=plan.action == "reattach")
+    return {"action": plan.action, "step": plan.step, "checkpoint": plan.checkpoint, "train_state": state}
 
 
 @task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
@@ -62,8 +84,18 @@ def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
     _replace_lost_rollout_on_retry(config)
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
     # Colocated hand-over (no-ops on CPU): the trainer gives the accelerator back, the rollout wakes.
-    _wait(config, [actors.lookup(config, "trainer").offload.remote(), rollout.onload.remote()])
+    handover = [rollout.onload.remote()]
+    if "trainer" in actors.roles(config):
+        handover.append(actors.lookup(config, "trainer").offload.remote())
+    _wait(config, handover)
     summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
+    return BatchRef(_wait(config, summary_ref), produced_ref)
+
+
+@task(name="load_batch", task_run_name="load_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def load_batch(config: TrellisConfig, step: int) -> BatchRef:
+    """debug_train: a stored batch from the Parquet lake instead of a rollout."""
+    summary_ref, produced_ref = actors.lookup(config, "controller").load_batch.remote(step)
     return BatchRef(_wait(config, summary_ref), produced_ref)
 
 
@@ -84,11 +116,48 @@ def fit(config: TrellisConfig, step: int, prepared: PreparedRef) -> dict[str, fl
     """Not retried: an update is not idempotent, and the worker refuses a step it already applied."""
     trainer = actors.lookup(config, "trainer")
     try:
-        _wait(config, [actors.lookup(config, "rollout").offload.remote(), trainer.onload.remote()])
+        if "rollout" in actors.roles(config):
+            _wait(config, actors.lookup(config, "rollout").offload.remote())
     except (ValueError, RayActorError):  # a lost rollout worker holds no memory; produce_batch replaces it
-        _wait(config, trainer.onload.remote())
+        pass
+    _wait(config, trainer.onload.remote())
     result = _wait(config, trainer.fit.remote(prepared.prepared, step))
     return result.metrics
+
+
+@task(name="save_checkpoint", task_run_name="save_checkpoint[step={step}]", retries=1, retry_delay_seconds=1, **_NOT_STORED)
+def save_checkpoint(config: TrellisConfig, step: int) -> str:
+    """Every worker writes its part of the checkpoint in parallel; ``commit_checkpoint`` seals it once
+    the step is fully recorded. A retry starts the folder afresh."""
+    uri = begin_checkpoint(config, step)
+    waits = [actors.lookup(config, "controller").save_checkpoint.remote(uri)]
+    if "trainer" in actors.roles(config):
+        save_optimizer = not config.checkpoint_no_save_optimizer
+        waits.append(actors.lookup(config, "trainer").save_checkpoint.remote(uri, config.storage_options, save_optimizer))
+    _wait(config, waits)
+    return uri
+
+
+@task(name="commit_checkpoint", task_run_name="commit_checkpoint[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def commit_checkpoint(config: TrellisConfig, step: int, clock: dict[str, float]) -> str:
+    meter = ThroughputMeter(started_s=clock["started_s"], samples=clock["samples"], tokens=clock["tokens"])
+    pruned = seal_checkpoint(config, step, train_state(step, meter, policy_version=step))
+    if pruned:
+        get_run_logger().info("Pruned checkpoints of steps %s", pruned)
+    uri = f"{config.checkpoint_uri}/{step_name(step)}"
+    create_link_artifact(key=artifact_key(config, "checkpoint"), link=uri, link_text=f"checkpoint of step {step}")
+    return uri
+
+
+@task(name="export_hf", task_run_name="export_hf[step={step}]", retries=1, retry_delay_seconds=1, **_NOT_STORED)
+def export_hf(config: TrellisConfig, step: int) -> str:
+    """``save_pretrained`` model + tokenizer under ``{run}/hf/step-NNNNNN``, pruned to ``hf_max_keep``."""
+    uri = begin_hf_export(config, step)
+    trainer = actors.lookup(config, "trainer")
+    _wait(config, trainer.export_hf.remote(uri, config.storage_options, config.tokenizer_source))
+    seal_hf_export(config, step)
+    create_link_artifact(key=artifact_key(config, "hf-export"), link=uri, link_text=f"HF export of step {step}")
+    return uri
 
 
 @task(name="sync_weights", task_run_name="sync_weights[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
