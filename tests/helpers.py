@@ -1,0 +1,52 @@
+"""Small helpers shared by the checkpoint, fault and storage tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fsspec
+import pyarrow.parquet as pq
+
+from engine.config_loading import load_config
+
+
+def tiny_config(tiny_model, reverse_data, work_dir, **changes):
+    """The example config on the session's tiny model: 16 prompts x 8 samples per step."""
+    base = dict(
+        load_from=str(tiny_model),
+        train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        eval_dataset={"path": str(reverse_data["eval"]), "max_prompt_length": 64, "limit": 32},
+        work_dir=str(work_dir),
+        total_train_steps=4,
+        evaluate_step=2,
+        checkpoint_interval=2,
+        checkpoint_maxkeep=-1,
+        hf_interval=-1,
+        hf_max_keep=-1,
+        auto_resume=False,
+        exp_tracker="jsonl",
+    )
+    return load_config("configs/tiny_reverse.yaml", **{**base, **changes})
+
+
+def logged_metrics(config) -> dict[int, dict[str, float]]:
+    """metrics.jsonl by step, without wall-clock figures (time/*, throughput/*), which differ run to run."""
+    with fsspec.open(f"{config.run_uri}/logs/metrics.jsonl", "r", **config.storage_options) as handle:
+        records = [json.loads(line) for line in handle.read().splitlines()]
+    return {
+        r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records
+    }
+
+
+def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
+    """Every stored row of a split, ordered by rollout id, without the run name (it differs between runs)."""
+    fs, root = fsspec.core.url_to_fs(f"{config.run_uri}/trajectories/split={split}", **config.storage_options)
+    fs.invalidate_cache()
+    rows = []
+    for path in sorted(fs.glob(f"{root}/step=*/part-0.parquet")):
+        with fs.open(path, "rb") as handle:
+            rows.extend(pq.read_table(handle).to_pylist())
+    for row in rows:
+        row.pop("run")
+    return sorted(rows, key=lambda r: r["rollout_id"])
