@@ -131,6 +131,9 @@ class ControllerActor:
     def info(self) -> dict[str, int]:
         return {"dataset_size": self.controller.dataset_size, "pad_token_id": self.controller.pad_token_id}
 
+    def has_produced(self) -> bool:
+        return self.controller.has_produced
+
     def train_report(self) -> str:
         return self.controller.train_report.summary()
 
@@ -214,6 +217,16 @@ def attach_workers(config: TrellisConfig) -> Workers:
         if applied > 0 and served == 0:  # a rollout worker re-created after a loss takes the trainer's weights
             _load_trainer_weights(config, trainer, rollout)
     return Workers(controller, trainer, rollout, total, info["pad_token_id"])
+
+
+def workers_used(config: TrellisConfig, workers: Workers) -> bool:
+    """Whether any live worker holds run state: trained or synced weights, or drawn prompts."""
+    calls = [workers.controller.has_produced.remote()]
+    if workers.trainer is not None:
+        calls.append(workers.trainer.applied_step.remote())
+    if workers.rollout is not None:
+        calls.append(workers.rollout.policy_version.remote())
+    return any(ray.get(calls, timeout=config.cluster.ray_get_timeout_s))
 
 
 def lookup(config: TrellisConfig, role: str) -> ray.actor.ActorHandle:

@@ -44,6 +44,11 @@ class Controller:
         return len(self.sampler)
 
     @property
+    def has_produced(self) -> bool:
+        """Whether this controller has drawn training prompts since it was built or restored."""
+        return bool(self._sampler_before_step)
+
+    @property
     def pad_token_id(self) -> int:
         return self.tokenizer.pad_token_id
 

@@ -32,7 +32,8 @@ class StartPlan:
     checkpoint: str | None = None
 
 
-def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0) -> StartPlan:
+def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0, workers_used: bool = False) -> StartPlan:
+    """``workers_used``: some live worker already holds run state (weights, drawn prompts)."""
     explicit = config.load_checkpoint_cfg.checkpoint_path
     if explicit:
         return StartPlan("restore", int(require_complete(explicit, config.storage_options)["step"]), explicit.rstrip("/"))
@@ -41,8 +42,8 @@ def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0) ->
         if latest is not None:
             step, uri = latest
             return StartPlan("reattach" if applied_step == step else "restore", step, uri)
-        # Live workers ahead of any checkpoint may hold a half-recorded step: start over.
-        return StartPlan("restart" if applied_step > 0 else "fresh", 0)
+        # Live workers with no checkpoint behind them may hold a half-recorded step: start over.
+        return StartPlan("restart" if workers_used or applied_step > 0 else "fresh", 0)
     if applied_step > 0:
         return StartPlan("continue", applied_step)
     if latest is not None:

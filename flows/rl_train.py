@@ -109,7 +109,7 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     resume = resume or flow_run.get_run_count() > 1
     workers = attach_workers(config)
     logger.info("Workers on %s; train prompts: %s", workers["address"], workers["train_report"])
-    start = restore_checkpoint(config, resume, int(workers["applied_step"]))
+    start = restore_checkpoint(config, resume, workers)
     if start["action"] != "fresh":
         logger.info("Start: %s at step %d %s", start["action"], start["step"], start["checkpoint"] or "")
     first, last = int(start["step"]) + 1, int(workers["total_train_steps"])

@@ -61,14 +61,20 @@ def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
     workers = actors.attach_workers(config)
     applied = _wait(config, workers.trainer.applied_step.remote()) if workers.trainer is not None else 0
     report = _wait(config, workers.controller.train_report.remote())
-    return {"address": address, "total_train_steps": workers.total_train_steps, "applied_step": applied, "train_report": report}
+    return {
+        "address": address,
+        "total_train_steps": workers.total_train_steps,
+        "applied_step": applied,
+        "used": actors.workers_used(config, workers),
+        "train_report": report,
+    }
 
 
 @task(name="restore_checkpoint", retries=1, retry_delay_seconds=2, **_NOT_STORED)
-def restore_checkpoint(config: TrellisConfig, resume: bool, applied_step: int) -> dict:
+def restore_checkpoint(config: TrellisConfig, resume: bool, workers: dict) -> dict:
     """Decide where the run starts and bring the workers there (see ``engine.resume.plan_start``).
     Returns the plan and the checkpoint's train state (None when nothing was restored)."""
-    plan = plan_start(config, resume=resume, applied_step=applied_step)
+    plan = plan_start(config, resume=resume, applied_step=int(workers["applied_step"]), workers_used=bool(workers["used"]))
     state = None
     if plan.action == "restart":
         actors.release_workers(config)

@@ -65,6 +65,15 @@ def ray_cluster(tmp_path_factory):
     head.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def prefect_api():
+    """A temporary Prefect API for the module's flow runs (heartbeats off: nothing here needs them)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
 
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):

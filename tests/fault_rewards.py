@@ -4,14 +4,26 @@ import os
 import signal
 from pathlib import Path
 
+from engine.tiny.reverse_task import score
+
 
 def kill_rollout_once(sample):
-    """Score like the task, but first SIGKILL the process named in $TRELLIS_TEST_KILL_FILE, once."""
+    """Score like the task, but on the first call SIGKILL the process named in $TRELLIS_TEST_KILL_FILE."""
+    return kill_once(sample)
+
+
+def kill_once(sample):
+    """Score like the task. $TRELLIS_TEST_KILL_FILE holds "PID [CALLS]": after CALLS more scoring
+    calls (0 by default), SIGKILL that process and disarm by removing the file."""
     marker = Path(os.environ["TRELLIS_TEST_KILL_FILE"])
     try:
-        pid = int(marker.read_text())
-        marker.unlink()
-        os.kill(pid, signal.SIGKILL)
+        pid, *countdown = marker.read_text().split()
+        left = int(countdown[0]) if countdown else 0
+        if left > 0:
+            marker.write_text(f"{pid} {left - 1}")
+        else:
+            marker.unlink()
+            os.kill(int(pid), signal.SIGKILL)
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass
-    return 1.0 if str(sample["response"]).strip() == str(sample["label"]) else 0.0
+    return score(sample)

@@ -9,18 +9,10 @@ import pyarrow.dataset as ds
 import pytest
 import ray
 from prefect.client.orchestration import get_client
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from prefect.testing.utilities import prefect_test_harness
 
 from engine.config_loading import load_config
 from flows.rl_train import rl_train
 
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
 
 
 def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, **changes):

@@ -1,0 +1,124 @@
+"""Things break on purpose while the real flow runs on a real Ray cluster: the flow process is
+SIGKILLed mid-step, the training worker is SIGKILLed mid-step. Each run still ends with the same
+trajectories and metrics as a run nothing happened to."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+
+from engine.actors import release_workers
+from engine.checkpoint import SaveStore
+from flows.rl_train import rl_train
+from helpers import lake_rows, logged_metrics, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, name, **changes):
+    return tiny_config(
+        tiny_model, reverse_data, tmp_path, experiment_name=name, total_train_steps=STEPS,
+        cluster={"address": ray_cluster["address"]}, **changes,
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, reverse_data, tmp_path_factory, ray_cluster, prefect_api):
+    """The reference: the same run, with nothing killed."""
+    config = flow_config(tiny_model, reverse_data, tmp_path_factory.mktemp("whole"), ray_cluster, "whole")
+    rl_train(config)
+    return config
+
+
+def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajectories(
+    tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api, uninterrupted
+):
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "killed")
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    trellis = str(Path(sys.executable).with_name("trellis"))
+    flow_process = subprocess.Popen(
+        [trellis, "train", str(config_file)], cwd=ROOT, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    step_three = tmp_path / "killed" / "trajectories" / "split=train" / "step=000003" / "part-0.parquet"
+    deadline = time.time() + 300
+    while not step_three.exists():  # step 3 is under way: its rollouts are written beside its fit
+        assert flow_process.poll() is None, "the flow process ended before it could be killed"
+        assert time.time() < deadline, "step 3 never started"
+        time.sleep(0.05)
+    os.killpg(flow_process.pid, signal.SIGKILL)  # the process and its temporary Prefect server
+    flow_process.wait(timeout=30)
+
+    interrupted = logged_metrics(config)
+    assert max(interrupted) < STEPS, "the run was not interrupted"
+    latest = SaveStore(config.checkpoint_uri).latest()
+    assert latest is not None and latest[0] < STEPS
+    trainer = ray.get_actor("killed-trainer", namespace=config.ray_namespace)  # detached workers survive
+    trainer_pid = ray.get(trainer.pid.remote())
+
+    keep_workers = config.cluster.model_copy(update={"release_workers_at_end": False})
+    rl_train(config.model_copy(update={"cluster": keep_workers}), resume=True)  # as `trellis train --resume` does
+
+    assert ray.get(trainer.pid.remote()) == trainer_pid  # re-attached to the surviving trainer, restored in place
+    release_workers(config)
+    assert logged_metrics(config) == logged_metrics(uninterrupted)
+    assert lake_rows(config) == lake_rows(uninterrupted)
+    assert lake_rows(config, "eval") == lake_rows(uninterrupted, "eval")
+    (run,) = _flow_runs("rl_train[killed]")  # the killed run lived on the temporary server that died with it
+    restored = [r for r in _task_runs("restore_checkpoint") if r.flow_run_id == run.id]
+    assert [r.state_name for r in restored] == ["Completed"]
+
+
+def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
+    tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api, uninterrupted
+):
+    """While step 3 is scored, the trainer is SIGKILLed. fit[step=3] fails, the flow run fails and
+    Prefect retries it; the retry creates a new trainer, restores the step-2 checkpoint into it and
+    into the live controller and rollout worker, and redoes steps 3-6."""
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "trainer_killed",
+                         reward={"function": "fault_rewards:kill_once"})
+    from engine.actors import attach_workers
+
+    trainer_pid = ray.get(attach_workers(config).trainer.pid.remote())
+    kill_file = ray_cluster["kill_file"]
+    kill_file.write_text(f"{trainer_pid} {32 + 2 * 16 * 8}")  # after the initial evaluation and steps 1-2
+    rl_train(config)
+
+    assert not kill_file.exists()
+    (run,) = _flow_runs("rl_train[trainer_killed]")
+    assert run.run_count == 2 and run.state_name == "Completed"
+    rows = lake_rows(config)
+    assert len(rows) == STEPS * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
+    assert rows == lake_rows(uninterrupted)
+    assert logged_metrics(config) == logged_metrics(uninterrupted)
+
+
+def _flow_runs(name: str) -> list:
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
+
+    return asyncio.run(read())
+
+
+def _task_runs(name: str) -> list:
+    async def read():
+        async with get_client() as client:
+            return await client.read_task_runs(task_run_filter=TaskRunFilter(name={"like_": name}))
+
+    return asyncio.run(read())
