@@ -48,7 +48,7 @@ class DatasetConfig(_Frozen):
     max_prompt_length: int = Field(
         1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
     )
-    storage_options: StorageOptions = Field(default_factory=dict, description="Passed to fsspec (e.g. S3 endpoint).")
+    storage_options: StorageOptions = Field(default_factory=dict, repr=False, description="Passed to fsspec (e.g. S3 endpoint).")
     limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")
 
 
@@ -196,6 +196,7 @@ class TrellisConfig(_Frozen):
     experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     storage_options: StorageOptions = Field(
         default_factory=dict,
+        repr=False,
         description="fsspec options for work_dir. Credentials are better left to the environment (AWS_ACCESS_KEY_ID...); "
         "secret-looking entries are masked wherever the config is written out.",
     )

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 
 @contextmanager
@@ -128,16 +132,45 @@ class JsonlTracker:
 
 
 class TensorboardTracker:
-    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+    """TensorBoard event files under ``log_dir`` (any fsspec URI).
+
+    TensorBoard's writer only knows local paths (and its own S3 client, which ignores
+    ``storage_options``), so for a remote ``log_dir`` it writes to a local staging folder that is
+    uploaded every ``upload_every_s`` seconds and on ``close``; metrics.jsonl stays the complete record.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        purge_step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        upload_every_s: float = 30.0,
+    ) -> None:
         """``purge_step``: a resumed run hides the events it is about to write again."""
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+        self._fs, self._path = fsspec.core.url_to_fs(log_dir, **(storage_options or {}))
+        self._remote = not isinstance(self._fs, LocalFileSystem)
+        self._local = tempfile.mkdtemp(prefix="trellis-tensorboard-") if self._remote else self._path
+        self._writer = SummaryWriter(log_dir=self._local, purge_step=purge_step)
+        self._upload_every_s = upload_every_s
+        self._uploaded_s = time.monotonic()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
+        if self._remote and time.monotonic() - self._uploaded_s >= self._upload_every_s:
+            self._upload()
 
     def close(self) -> None:
         self._writer.close()
+        if self._remote:
+            self._upload()
+            shutil.rmtree(self._local, ignore_errors=True)
+
+    def _upload(self) -> None:
+        self._fs.makedirs(self._path, exist_ok=True)
+        for name in os.listdir(self._local):
+            self._fs.put_file(os.path.join(self._local, name), f"{self._path}/{name}")
+        self._uploaded_s = time.monotonic()

@@ -20,7 +20,9 @@ def open_trackers(config: TrellisConfig, first_step: int) -> None:
     logs = f"{config.run_uri}/logs"
     chosen: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
     if config.exp_tracker == "tensorboard":
-        chosen.append(TensorboardTracker(f"{logs}/tensorboard", purge_step=first_step if first_step > 1 else None))
+        chosen.append(TensorboardTracker(
+            f"{logs}/tensorboard", purge_step=first_step if first_step > 1 else None, storage_options=config.storage_options
+        ))
     _trackers[logs] = chosen
 
 

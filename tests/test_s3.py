@@ -1,0 +1,114 @@
+"""The whole flow with its storage on ``s3://``, against moto's S3 server started on loopback:
+trajectories, checkpoints, HF exports and logs land there, a resume reads them back, and the
+credentials never appear in anything trellis writes or reports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+from prefect.client.orchestration import get_client
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.checkpoint import SaveStore
+from flows.rl_train import rl_train
+from helpers import lake_rows, logged_metrics, tiny_config
+
+BUCKET = "trellis-test"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    from conftest import _free_port
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            fsspec.filesystem("s3", key="k", secret="s", endpoint_url=endpoint).ls("")
+            break
+        except Exception:
+            assert time.time() < deadline and server.poll() is None, "moto_server did not come up"
+            time.sleep(0.2)
+    yield endpoint
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def test_a_run_on_s3_stores_everything_there_resumes_from_it_and_leaks_no_secret(
+    tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api, s3_endpoint, monkeypatch
+):
+    key, secret, token = (f"{what}-{secrets.token_hex(8)}" for what in ("AKIATRELLIS", "s3secret", "hf-token"))
+    monkeypatch.setenv("TRELLIS_TEST_API_TOKEN", token)
+    storage = {"key": key, "secret": secret, "endpoint_url": s3_endpoint}
+    s3 = fsspec.filesystem("s3", **storage)
+    s3.mkdir(BUCKET)
+    config = tiny_config(
+        tiny_model, reverse_data, f"s3://{BUCKET}/runs", experiment_name="on_s3", storage_options=storage,
+        total_train_steps=2, hf_interval=2, exp_tracker="tensorboard", cluster={"address": ray_cluster["address"]},
+    )
+    rl_train(config)
+    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2]
+
+    longer = config.model_copy(update={"total_train_steps": 3, "auto_resume": True})
+    rl_train(longer)  # new workers; everything they start from is read back from S3
+
+    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2, 3]
+    assert SaveStore(config.hf_uri, storage).complete_steps() == [2, 3]
+    rows = lake_rows(config)
+    assert sorted({r["train_step"] for r in rows}) == [1, 2, 3] and len(rows) == 3 * 128
+    assert [r["policy_version"] for r in rows if r["train_step"] == 3][0] == 2  # the restored weights sampled step 3
+    assert sorted(logged_metrics(config)) == [0, 1, 2, 3]
+
+    export = tmp_path / "hf"
+    s3.get(f"{BUCKET}/runs/on_s3/hf/step-000003/", str(export), recursive=True)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    prompt = tokenizer("reverse abc", return_tensors="pt")
+    assert model.generate(**prompt, max_new_tokens=3, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 3
+
+    env = json.loads(s3.cat(f"{BUCKET}/runs/on_s3/logs/env.json"))
+    assert env["environment"]["TRELLIS_TEST_API_TOKEN"] == "**********"
+    assert "torch" in env["versions"]
+    _assert_nowhere([key, secret, token], s3, config)
+
+
+def _assert_nowhere(values: list[str], s3, config) -> None:
+    """No secret in any object the run stored, in Prefect's records of it, or in the Ray logs."""
+    for path in s3.find(f"{BUCKET}/runs/on_s3"):
+        body = s3.cat(path)
+        for value in values:
+            assert value.encode() not in body, f"a secret is in s3://{path}"
+
+    async def prefect_records() -> str:
+        async with get_client() as client:
+            runs = await client.read_flow_runs()
+            artifacts = await client.read_artifacts()
+            logs = await client.read_logs()
+        return json.dumps(
+            [[r.name, r.parameters] for r in runs] + [[a.key, a.data] for a in artifacts] + [entry.message for entry in logs],
+            default=str,
+        )
+
+    reported = asyncio.run(prefect_records())
+    assert '"**********"' in reported  # the runs' config parameters were stored, with their secrets masked
+    for value in values:
+        assert value not in reported
+
+    ray_logs = Path("/tmp/ray/session_latest/logs")
+    for log in ray_logs.rglob("*") if ray_logs.exists() else []:
+        if log.is_file():
+            text = log.read_bytes()
+            for value in values:
+                assert value.encode() not in text, f"a secret is in {log}"

@@ -1,0 +1,68 @@
+"""Credentials stay out of env.json, logs and serialized configs (the flow-level check, against
+Prefect's records and an S3 run, is in test_s3.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from engine.config import TrellisConfig
+from engine.config_loading import ConfigError, load_config
+from engine.secrets import REDACTED, install_log_redaction, redact_mapping, write_runtime_environment
+
+SECRETS = {
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG-bPxRfiCY",
+    "HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz",
+    "WANDB_API_KEY": "0123456789abcdef0123",
+    "DB_PASSWORD": "hunter2-but-longer",
+    "OPENAI_CREDENTIALS": "sk-proj-abcdef123456",
+}
+
+
+def test_env_json_masks_every_credential_and_keeps_the_rest(tmp_path, monkeypatch):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DATABASE_URL", "postgresql://trellis:pa55word-xyz@db.internal:5432/runs")
+    monkeypatch.setenv("TRELLIS_PLAIN_SETTING", "visible-value")
+    uri = write_runtime_environment(str(tmp_path / "run"), {})
+    text = (tmp_path / "run" / "logs" / "env.json").read_text()
+    assert uri.endswith("logs/env.json")
+    for value in [*SECRETS.values(), "pa55word-xyz"]:
+        assert value not in text
+    environment = json.loads(text)["environment"]
+    assert all(environment[name] == REDACTED for name in SECRETS)
+    assert environment["DATABASE_URL"] == f"postgresql://trellis:{REDACTED}@db.internal:5432/runs"
+    assert environment["TRELLIS_PLAIN_SETTING"] == "visible-value"
+
+
+def test_log_records_are_scrubbed_whoever_logs_them(monkeypatch, caplog):
+    monkeypatch.setenv("TRELLIS_TEST_SECRET_TOKEN", "tok-0f9e8d7c6b5a")
+    install_log_redaction({"secret": "from-storage-options-42"})
+    caplog.set_level(logging.INFO)
+    logging.getLogger("some.library").info("connecting with %s and %s", "tok-0f9e8d7c6b5a", "from-storage-options-42")
+    logging.getLogger("prefect.flow_runs").warning("url https://user:hunter22@example.com/x")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0] == f"connecting with {REDACTED} and {REDACTED}"
+    assert "hunter22" not in messages[1]
+
+
+def test_a_config_never_serializes_its_storage_credentials():
+    options = {"key": "AKIA-EXAMPLE-1234", "secret": "s3cr3t-example-5678", "endpoint_url": "http://127.0.0.1:9000"}
+    config = TrellisConfig(load_from="m", train_dataset={"path": "d", "storage_options": options},
+                           total_train_steps=1, storage_options=options)
+    assert config.storage_options["secret"] == "s3cr3t-example-5678"  # the run itself uses the real value
+    dumped = config.model_dump_json()
+    for value in ("AKIA-EXAMPLE-1234", "s3cr3t-example-5678"):
+        assert value not in dumped and value not in repr(config)
+    assert json.loads(dumped)["storage_options"]["endpoint_url"] == "http://127.0.0.1:9000"
+    assert redact_mapping({"nested": {"api_key": "x" * 10}}) == {"nested": {"api_key": REDACTED}}
+
+
+def test_a_masked_config_coming_back_is_refused_with_a_clear_error(tmp_path):
+    """A deployment parameter copied from the Prefect UI carries the mask, not the secret."""
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("load_from: m\ntrain_dataset: {path: d}\ntotal_train_steps: 1\nstorage_options: {secret: '**********'}\n")
+    with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
+        load_config(config_file)
