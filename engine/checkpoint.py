@@ -126,13 +126,32 @@ def upload_folder(local_dir: str | Path, uri: str, storage_options: Mapping[str,
             shutil.copyfileobj(reader, writer, _CHUNK)
 
 
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocols
+
+
+@contextmanager
+def staging_folder(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[str]:
+    """A local folder whose files end up in ``uri``: the folder itself when it is local (no second
+    copy), else a temporary one uploaded when the block ends without an error."""
+    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    if _is_local(fs):
+        fs.makedirs(path, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+        upload_folder(tmp, uri, storage_options)
+
+
 @contextmanager
 def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[str]:
     """A local path holding the file at ``uri`` (the file itself when it is already local)."""
     fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
     if not fs.exists(path):
         raise CheckpointError(f"{uri} does not exist.")
-    if "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+    if _is_local(fs):
         yield path
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,14 +205,17 @@ def require_complete(checkpoint_uri: str, storage_options: Mapping[str, Any] | N
     return read_json(f"{uri}/{TRAIN_STATE}", storage_options)
 
 
-def untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors, contiguous on CPU, each storage written once (safetensors refuses shared
-    storage such as tied embeddings; the copies load back into the same tied parameter)."""
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().to("cpu")
-        pointer = tensor.untyped_storage().data_ptr()
-        tensors[name] = tensor.clone().contiguous() if pointer in seen else tensor.contiguous()
-        seen.add(pointer)
-    return tensors
+def untied_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's tensors on CPU with each storage once (safetensors refuses shared storage such as
+    tied embeddings), and the names left out, each mapped to the name that holds its data."""
+    owners: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in owners:
+            aliases[name] = owners[key]
+            continue
+        owners[key] = name
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors, aliases

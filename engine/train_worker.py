@@ -6,19 +6,26 @@ It is used in-process by ``engine.local_run`` and wrapped as a Ray actor by the 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.checkpoint import CheckpointError, downloaded, exists, load_object, untied_state_dict, upload_folder
+from engine.checkpoint import (
+    CheckpointError,
+    downloaded,
+    exists,
+    load_object,
+    staging_folder,
+    untied_state_dict,
+)
 from engine.config import TrellisConfig
 from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights, token_entropy, token_logprobs
 from engine.packing import MicroBatch, pack, to_padded
@@ -202,19 +209,23 @@ class TrainingWorker:
 
     def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
-        with tempfile.TemporaryDirectory() as tmp:
-            save_file(untied_state_dict(self.model), f"{tmp}/model.safetensors")
+        tensors, aliases = untied_state_dict(self.model)
+        with staging_folder(uri, storage_options) as folder:
+            save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
-                torch.save(self.optimizer.state_dict(), f"{tmp}/optimizer.pt")
+                torch.save(self.optimizer.state_dict(), f"{folder}/optimizer.pt")
             state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
-            torch.save(state, f"{tmp}/trainer.pt")
-            upload_folder(tmp, uri, storage_options)
+            torch.save(state, f"{folder}/trainer.pt")
 
     def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote; returns the checkpoint's step."""
         uri = uri.rstrip("/")
         with downloaded(f"{uri}/model.safetensors", storage_options) as local:
-            self.model.load_state_dict(load_file(local, device=str(self._device)), strict=True)
+            with safe_open(local, framework="pt") as handle:
+                aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
+            missing, unexpected = self.model.load_state_dict(load_file(local, device=str(self._device)), strict=False)
+        if set(missing) != set(aliases) or unexpected:  # tied names load through the name that owns their data
+            raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
         state = load_object(f"{uri}/trainer.pt", storage_options)
         self.scheduler.load_state_dict(state["scheduler"])
         if load_optimizer:
@@ -234,10 +245,9 @@ class TrainingWorker:
 
     def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
-        with tempfile.TemporaryDirectory() as tmp:
-            self.model.save_pretrained(tmp, safe_serialization=True)
-            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(tmp)
-            upload_folder(Path(tmp), uri, storage_options)
+        with staging_folder(uri, storage_options) as folder:
+            self.model.save_pretrained(folder, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
     def offload(self) -> None:
         """Move parameters and optimizer state to CPU (a no-op when training on CPU)."""

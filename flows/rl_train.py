@@ -113,6 +113,8 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     if start["action"] != "fresh":
         logger.info("Start: %s at step %d %s", start["action"], start["step"], start["checkpoint"] or "")
     first, last = int(start["step"]) + 1, int(workers["total_train_steps"])
+    if first > last:
+        logger.info("The run is already at step %d of %d: nothing to train.", first - 1, last)
     open_trackers(config, first)
     trains_and_rolls = not (config.debug_rollout or config.debug_train)
     if config.enable_initial_evaluate and first == 1 and trains_and_rolls:

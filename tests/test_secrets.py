@@ -42,7 +42,7 @@ def test_log_records_are_scrubbed_whoever_logs_them(monkeypatch, caplog):
     install_log_redaction({"secret": "from-storage-options-42"})
     caplog.set_level(logging.INFO)
     logging.getLogger("some.library").info("connecting with %s and %s", "tok-0f9e8d7c6b5a", "from-storage-options-42")
-    logging.getLogger("prefect.flow_runs").warning("url https://user:hunter22@example.com/x")
+    logging.getLogger("ray.worker").warning("url https://user:hunter22@example.com/x")
     messages = [record.getMessage() for record in caplog.records]
     assert messages[0] == f"connecting with {REDACTED} and {REDACTED}"
     assert "hunter22" not in messages[1]
