@@ -29,6 +29,7 @@ from engine.resume import (
     seal_hf_export,
     train_state,
 )
+from engine.rollout.base import RolloutBackend
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.train_worker import TrainingWorker, resolve_device
@@ -59,8 +60,22 @@ def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
     return max(1, dataset_size // config.train_batch_size * config.total_epochs)
 
 
-def build_rollout_backend(config: TrellisConfig, tokenizer) -> TransformersRollout:
-    """The rollout backend on the trainer's device: bf16 on GPU, fp32 on CPU."""
+def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
+    """vLLM when configured (GPU only); otherwise the transformers loop on the trainer's device,
+    bf16 on GPU, fp32 on CPU."""
+    rollout = config.rollout
+    if rollout.backend == "vllm":
+        from engine.rollout.vllm_backend import VllmRollout  # vLLM is an optional extra
+
+        longest = config.train_dataset.max_prompt_length + rollout.max_new_tokens
+        return VllmRollout(
+            config.load_from,
+            tokenizer,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            max_model_len=longest,
+            sleep_level=rollout.sleep_level,
+            seed=config.seed,
+        )
     device = resolve_device(config.train_worker.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return TransformersRollout(config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed)

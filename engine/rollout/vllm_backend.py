@@ -1,0 +1,133 @@
+"""Rollout on vLLM (accelerators only), behind the same contract as the transformers backend.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so weights from a colocated
+trainer reach vLLM's model as tensor references, with no serialization and no disk round trip:
+``load_weights`` hands them to the model's own ``load_weights`` in buckets. ``offload`` puts the
+engine to sleep (weights and KV cache leave the GPU, level 1 keeps a CPU copy of the weights),
+``onload`` wakes it up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.rollout.base import FinishReason, Generation, SamplingParams
+
+# Set before vLLM is imported: one process, so weight hand-over needs no IPC.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+_BUCKET_BYTES = 512 << 20
+
+
+class VllmRollout:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 4096,
+        sleep_level: int = 1,
+        seed: int = 0,
+    ) -> None:
+        from vllm import LLM
+
+        self._tokenizer = tokenizer
+        self._sleep_level = sleep_level
+        self._asleep = False
+        self._weights_awake = True
+        self._policy_version = 0
+        self._seed = seed
+        self._llm = LLM(
+            model=model_path,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enable_sleep_mode=True,
+            seed=seed,
+            # The contract: logprobs of the sampled token under logits / temperature.
+            logprobs_mode="processed_logprobs",
+        )
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        self.onload()
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self._llm.generate(requests, [self._sampling(params, i) for i in range(len(prompts))], use_tqdm=False)
+        generations = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [])]
+            reason: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
+            if completion.finish_reason == "abort":
+                reason = "abort"
+            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            generations.append(Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason))
+        return generations
+
+    def _sampling(self, params: SamplingParams, index: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        greedy = params.temperature <= 0.0
+        return VllmSamplingParams(
+            max_tokens=params.max_new_tokens,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            stop_token_ids=list(params.stop_token_ids),
+            # One seed per request: the samples of a group must differ, and repeat on a retry.
+            seed=None if params.seed is None else (params.seed * 1_000_003 + index) % (2**31 - 1),
+            logprobs=0,
+            detokenize=False,
+        )
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Copy the trainer's tensors into vLLM's model, bucket by bucket (no disk, no serialization)."""
+        if self._asleep and not self._weights_awake:
+            self._llm.wake_up(tags=["weights"])  # the KV cache stays asleep until onload
+            self._weights_awake = True
+        model = self._model()
+        for bucket in _buckets(state_dict, _BUCKET_BYTES):
+            model.load_weights(bucket)
+        self._policy_version = policy_version
+
+    def offload(self) -> None:
+        if not self._asleep:
+            self._llm.reset_prefix_cache()
+            self._llm.sleep(level=self._sleep_level)
+            self._asleep, self._weights_awake = True, False
+
+    def onload(self) -> None:
+        if self._asleep:
+            self._llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+            self._asleep, self._weights_awake = False, True
+
+    def _model(self) -> torch.nn.Module:
+        executor = self._llm.llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner.get_model()
+
+
+def _buckets(state_dict: Mapping[str, torch.Tensor], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in state_dict.items():
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
