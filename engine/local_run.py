@@ -134,10 +134,24 @@ class LocalRun:
     def produce_batch(self, step: int) -> ProduceResult:
         if self.config.debug_train:
             return self.controller.load_batch(step)
+        self._hand_accelerator_to("rollout")
         return self.controller.produce_batch(step, self.backend)
 
     def sync_weights(self, step: int) -> None:
+        """Weights go to the rollout engine while it sleeps (no KV cache yet), then it takes the accelerator."""
         self.backend.load_weights(self.worker.export_weights(), policy_version=step)
+        self._hand_accelerator_to("rollout")
+
+    def _hand_accelerator_to(self, role: str) -> None:
+        """The colocated switch (both calls do nothing on CPU): the other side offloads first."""
+        if self.worker is None or self.backend is None:
+            return
+        if role == "rollout":
+            self.worker.offload()
+            self.backend.onload()
+        else:
+            self.backend.offload()
+            self.worker.onload()
 
     def evaluate(self, step: int) -> dict[str, float]:
         groups, metrics = self.controller.evaluate(step, self.backend)
@@ -158,6 +172,7 @@ class LocalRun:
                 batch = self.controller.prepare_data(produced.groups, step)
             if self.worker is not None:
                 with timer("fit", timings):
+                    self._hand_accelerator_to("trainer")
                     fit_metrics = self.worker.fit(batch, step).metrics
             if self.track and config.hf_due(step, self.total_train_steps):
                 with timer("save_hf", timings):

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
@@ -45,6 +44,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real head started with `ray start --block`; ending that process stops exactly this cluster."""
+    import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
+
     port = _free_port()
     kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
     head = subprocess.Popen(

@@ -24,12 +24,21 @@ BACKENDS = [
 ]
 
 
+_VLLM: dict[str, object] = {}
+
+
 def make_backend(name, model_dir, tokenizer):
     if name == "transformers":
         return TransformersRollout(str(model_dir), tokenizer)
     from engine.rollout.vllm_backend import VllmRollout  # only importable where vLLM is installed
 
-    return VllmRollout(str(model_dir), tokenizer)
+    # One engine per session: a second one would not find the GPU memory the first one holds.
+    # Every test starts from the tiny model's own weights (the last test changes them).
+    if "engine" not in _VLLM:
+        _VLLM["engine"] = VllmRollout(str(model_dir), tokenizer, gpu_memory_utilization=0.3)
+    backend = _VLLM["engine"]
+    backend.load_weights(AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), policy_version=0)
+    return backend
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +76,20 @@ def test_logprobs_equal_a_teacher_forced_recompute(backend_name, tiny_model, tok
     backend = make_backend(backend_name, tiny_model, tokenizer)
     out = backend.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    if backend_name == "vllm":  # vLLM serves bfloat16 weights: the teacher gets the same rounded weights
+        model = model.to(torch.bfloat16).to(torch.float32)
+    gaps = []
     for prompt, generation in zip(prompts, out):
         ids = torch.tensor([prompt + generation.response_ids[:-1]])
         labels = torch.tensor([[-100] * (len(prompt) - 1) + generation.response_ids])
         with torch.no_grad():
             expected = token_logprobs(model(input_ids=ids).logits, labels, temperature=0.7)[0, len(prompt) - 1 :]
-        assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=2e-4)
+        gaps.append((torch.tensor(generation.logprobs) - expected).abs())
+    gap = torch.cat(gaps)
+    if backend_name == "transformers":  # float32 on both sides
+        assert gap.max() < 2e-4
+    else:  # bfloat16 activations inside vLLM: small on average, bounded everywhere (T=1 instead of 0.7 gives ~0.1)
+        assert gap.mean() < 1e-2 and gap.max() < 1e-1, (gap.mean(), gap.max())
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

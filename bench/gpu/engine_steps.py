@@ -3,7 +3,7 @@
 Weights are random, so rewards are ~0: this measures rollout and training token throughput of the
 same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
 
-    python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256]
+    python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256] [--backend vllm]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
@@ -60,7 +61,7 @@ def main() -> None:
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,
-        rollout={"max_new_tokens": args.new_tokens},
+        rollout={"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": 0.4},
         train_worker={"pack_max_length": 8192},
         work_dir=str(work / "runs"),
     )
@@ -80,9 +81,15 @@ def main() -> None:
         "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "steps": reports,
     }
-    (args.out / "engine_steps.json").write_text(json.dumps(summary, indent=1))
+    summary["backend"] = args.backend
+    summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
+    summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
+    (args.out / f"engine_steps_{args.backend}.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
 
 
 if __name__ == "__main__":
     main()
+    import os
+
+    os._exit(0)  # vLLM's engine threads would hold the process open

@@ -63,7 +63,7 @@ def main() -> None:
         "mismatch_k3_kl_median": statistics.median(m["mismatch/k3_kl"] for m in after_sync),
         "mismatch_abs_logprob_diff_median": statistics.median(m["mismatch/abs_logprob_diff"] for m in after_sync),
         "mismatch_abs_logprob_diff_max": max(m["mismatch/abs_logprob_diff_max"] for m in after_sync),
-        "time_median_s": {k: statistics.median(m[k] for m in steps) for k in steps[-1] if k.startswith("time/")},
+        "time_median_s": {k: statistics.median(m[k] for m in steps if k in m) for k in steps[-1] if k.startswith("time/")},
     }
     (args.out / "vllm_learning.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2), flush=True)

@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 _BUCKET_BYTES = 512 << 20
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VllmRollout:
@@ -32,7 +33,7 @@ class VllmRollout:
         *,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         sleep_level: int = 1,
         seed: int = 0,
     ) -> None:
@@ -66,15 +67,13 @@ class VllmRollout:
         self.onload()
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self._llm.generate(requests, [self._sampling(params, i) for i in range(len(prompts))], use_tqdm=False)
+        completions = [output.outputs[0] for output in outputs]
+        token_ids = [list(c.token_ids) for c in completions]
+        texts = self._tokenizer.batch_decode(token_ids, skip_special_tokens=True)  # one call: the Rust side batches
         generations = []
-        for output in outputs:
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
+        for completion, ids, text in zip(completions, token_ids, texts):
             logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [])]
-            reason: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
-            if completion.finish_reason == "abort":
-                reason = "abort"
-            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            reason: FinishReason = _FINISH.get(completion.finish_reason or "", "length")
             generations.append(Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason))
         return generations
 
