@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.checkpoint import TRAIN_STATE, CheckpointError, SaveStore, require_complete, write_json
+from engine.checkpoint import TRAIN_STATE, CheckpointError, SaveStore, read_json, require_complete, write_json
 from engine.config import TrellisConfig
 from engine.metrics import ThroughputMeter
 
@@ -95,3 +95,21 @@ def seal_hf_export(config: TrellisConfig, step: int) -> list[int]:
     store = SaveStore(config.hf_uri, config.storage_options)
     store.seal(step)
     return store.prune(config.hf_max_keep)
+
+
+def _owner_uri(config: TrellisConfig) -> str:
+    return f"{config.run_uri}/logs/started_by.json"
+
+
+def record_owner(config: TrellisConfig, owner: str) -> None:
+    """Note which orchestrator run (a Prefect flow run id) got this run past its start decision."""
+    write_json({"owner": owner, "at": time.time()}, _owner_uri(config), config.storage_options)
+
+
+def started_by(config: TrellisConfig, owner: str) -> bool:
+    """Whether ``owner`` already started this run: only then does its retry resume. A first attempt
+    that failed before starting (a refused fresh start, say) is retried as it was asked."""
+    try:
+        return read_json(_owner_uri(config), config.storage_options).get("owner") == owner
+    except CheckpointError:
+        return False

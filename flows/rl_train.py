@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from engine.config import TrellisConfig
-from engine.resume import meter_from
+from engine.resume import meter_from, record_owner, started_by
 from engine.secrets import install_log_redaction
 from tasks.log_step import close_trackers, log_evaluation, log_step, open_trackers
 from tasks.step_tasks import (
@@ -106,10 +106,12 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     continues from its latest complete checkpoint; otherwise a re-run continues live workers."""
     install_log_redaction(config.storage_options)
     logger = get_run_logger()
-    resume = resume or flow_run.get_run_count() > 1
+    # A retry resumes only if this flow run got past its start decision before failing.
+    resume = resume or (flow_run.get_run_count() > 1 and started_by(config, str(flow_run.get_id())))
     workers = attach_workers(config)
     logger.info("Workers on %s; train prompts: %s", workers["address"], workers["train_report"])
     start = restore_checkpoint(config, resume, workers)
+    record_owner(config, str(flow_run.get_id()))
     if start["action"] != "fresh":
         logger.info("Start: %s at step %d %s", start["action"], start["step"], start["checkpoint"] or "")
     first, last = int(start["step"]) + 1, int(workers["total_train_steps"])

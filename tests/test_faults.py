@@ -28,10 +28,8 @@ STEPS = 6
 
 
 def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, name, **changes):
-    return tiny_config(
-        tiny_model, reverse_data, tmp_path, experiment_name=name, total_train_steps=STEPS,
-        cluster={"address": ray_cluster["address"]}, **changes,
-    )
+    changes = {"total_train_steps": STEPS, "cluster": {"address": ray_cluster["address"]}, **changes}
+    return tiny_config(tiny_model, reverse_data, tmp_path, experiment_name=name, **changes)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +120,20 @@ def _task_runs(name: str) -> list:
             return await client.read_task_runs(task_run_filter=TaskRunFilter(name={"like_": name}))
 
     return asyncio.run(read())
+
+
+def test_a_refused_fresh_start_stays_refused_on_the_flow_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """A new run over a finished one is refused; Prefect's retry of that failure must not turn it into
+    a resume (only a flow run that got past its start decision resumes on retry)."""
+    from engine.resume import RunExistsError
+
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "refused", total_train_steps=2,
+                         enable_evaluate=False, enable_initial_evaluate=False)
+    rl_train(config)
+    before = (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text()
+    with pytest.raises(RunExistsError):
+        rl_train(config.model_copy(update={"total_train_steps": 3}))
+    runs = sorted(_flow_runs("rl_train[refused]"), key=lambda r: r.expected_start_time)
+    assert [(r.run_count, r.state_name) for r in runs] == [(1, "Completed"), (2, "Failed")]
+    assert (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text() == before  # step 3 never ran
+    release_workers(config)
