@@ -33,15 +33,20 @@ class StartPlan:
 
 
 def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0, workers_used: bool = False) -> StartPlan:
-    """``workers_used``: some live worker already holds run state (weights, drawn prompts)."""
+    """``workers_used``: some live worker already holds run state (weights, drawn prompts).
+
+    As in the reference, a resume prefers the run's own latest checkpoint over an explicit
+    ``load_checkpoint_cfg.checkpoint_path``: the explicit one is where the run started from.
+    """
+    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    resuming = resume or config.auto_resume
+    if resuming and latest is not None:
+        step, uri = latest
+        return StartPlan("reattach" if applied_step == step else "restore", step, uri)
     explicit = config.load_checkpoint_cfg.checkpoint_path
     if explicit:
         return StartPlan("restore", int(require_complete(explicit, config.storage_options)["step"]), explicit.rstrip("/"))
-    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
-    if resume or config.auto_resume:
-        if latest is not None:
-            step, uri = latest
-            return StartPlan("reattach" if applied_step == step else "restore", step, uri)
+    if resuming:
         # Live workers with no checkpoint behind them may hold a half-recorded step: start over.
         return StartPlan("restart" if workers_used or applied_step > 0 else "fresh", 0)
     if applied_step > 0:

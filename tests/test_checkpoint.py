@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.checkpoint import MARKER, CheckpointError, SaveStore
 from engine.lake import LakeError
 from engine.local_run import LocalRun
-from engine.resume import RunExistsError
+from engine.resume import RunExistsError, StartPlan, plan_start
 from helpers import lake_rows, logged_metrics, tiny_config
 
 FIT_METRICS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac", "mismatch/k3_kl")
@@ -189,3 +189,28 @@ def test_debug_rollout_then_debug_train_reproduces_the_first_step(tiny_model, re
     missing = replay.model_copy(update={"debug_rollout_dir": str(tmp_path / "nothing-here")})
     with pytest.raises(LakeError, match="no stored batches"):
         run(missing)
+
+
+def test_the_start_plan_rules(tmp_path):
+    from engine.config import TrellisConfig
+
+    def config(**changes):
+        return TrellisConfig(load_from="m", train_dataset={"path": "d"}, total_train_steps=9, work_dir=str(tmp_path),
+                             experiment_name="plan", **changes)
+
+    assert plan_start(config(), resume=False).action == "fresh"
+    assert plan_start(config(), resume=True, workers_used=True).action == "restart"  # nothing to go back to
+    assert plan_start(config(), resume=False, applied_step=3).action == "continue"
+    store = SaveStore(config().checkpoint_uri)
+    for step in (2, 4):
+        store.begin(step)
+        (tmp_path / "plan" / "checkpoints" / f"step-00000{step}" / "train_state.json").write_text(json.dumps({"step": step}))
+        store.seal(step)
+    assert plan_start(config(), resume=True, applied_step=4).action == "reattach"
+    assert plan_start(config(), resume=True, applied_step=5) == StartPlan("restore", 4, store.uri(4))
+    explicit = config(load_checkpoint_cfg={"checkpoint_path": store.uri(2)})
+    assert plan_start(explicit, resume=False) == StartPlan("restore", 2, store.uri(2))
+    assert plan_start(explicit, resume=True).checkpoint == store.uri(4)  # a resume prefers the run's own progress
+    with pytest.raises(RunExistsError):
+        plan_start(config(), resume=False)
+
