@@ -134,16 +134,15 @@ class LocalRun:
     def produce_batch(self, step: int) -> ProduceResult:
         if self.config.debug_train:
             return self.controller.load_batch(step)
-        self._hand_accelerator_to("rollout")
         return self.controller.produce_batch(step, self.backend)
 
     def sync_weights(self, step: int) -> None:
-        """Weights go to the rollout engine while it sleeps (no KV cache yet), then it takes the accelerator."""
+        """Weights go to the rollout engine while its KV cache sleeps, with no disk round trip."""
         self.backend.load_weights(self.worker.export_weights(), policy_version=step)
-        self._hand_accelerator_to("rollout")
 
-    def _hand_accelerator_to(self, role: str) -> None:
-        """The colocated switch (both calls do nothing on CPU): the other side offloads first."""
+    def hand_accelerator_to(self, role: str) -> None:
+        """The colocated switch: the other side offloads first (both calls do nothing on CPU, and
+        nothing when the side already holds the accelerator)."""
         if self.worker is None or self.backend is None:
             return
         if role == "rollout":
@@ -166,13 +165,16 @@ class LocalRun:
         eval_metrics: dict[str, float] = {}
         fit_metrics: dict[str, float] = {}
         with timer("step", timings):
+            with timer("switch_to_rollout", timings):
+                self.hand_accelerator_to("rollout")
             with timer("produce_batch", timings):
                 produced = self.produce_batch(step)
             with timer("prepare_data", timings):
                 batch = self.controller.prepare_data(produced.groups, step)
             if self.worker is not None:
+                with timer("switch_to_trainer", timings):
+                    self.hand_accelerator_to("trainer")
                 with timer("fit", timings):
-                    self._hand_accelerator_to("trainer")
                     fit_metrics = self.worker.fit(batch, step).metrics
             if self.track and config.hf_due(step, self.total_train_steps):
                 with timer("save_hf", timings):
@@ -181,6 +183,8 @@ class LocalRun:
             if synced:
                 with timer("sync_weights", timings):
                     self.sync_weights(step)
+                with timer("switch_to_rollout", timings):  # the next produce_batch finds it done
+                    self.hand_accelerator_to("rollout")
             if synced and config.enable_evaluate and step % config.evaluate_step == 0:
                 with timer("evaluate", timings):
                     eval_metrics = self.evaluate(step)
