@@ -127,6 +127,11 @@ class TrainWorkerConfig(_Frozen):
         "skips the repeated prompt compute of a group). Off with gradient checkpointing, which drops the KV cache.",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    offload_when_idle: bool = Field(
+        True,
+        description="Colocated: move weights and AdamW state to CPU while the rollout runs (as XTuner does). "
+        "False keeps them on the GPU when it has room for both, which saves two host transfers per step.",
+    )
 
 
 class ClusterConfig(_Frozen):

@@ -250,8 +250,9 @@ class TrainingWorker:
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
     def offload(self) -> None:
-        """Move parameters and optimizer state to CPU (a no-op when training on CPU)."""
-        self._move(torch.device("cpu"))
+        """Move parameters and optimizer state to CPU (a no-op on CPU, or with offload_when_idle off)."""
+        if self._config.train_worker.offload_when_idle:
+            self._move(torch.device("cpu"))
 
     def onload(self) -> None:
         self._move(self._device)

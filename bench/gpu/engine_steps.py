@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
@@ -62,7 +63,7 @@ def main() -> None:
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,
         rollout={"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": 0.4},
-        train_worker={"pack_max_length": 8192},
+        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer},
         work_dir=str(work / "runs"),
     )
     reports = []
@@ -82,9 +83,14 @@ def main() -> None:
         "steps": reports,
     }
     summary["backend"] = args.backend
+    summary["resident_trainer"] = args.resident_trainer
+    summary["switch_fraction_of_step"] = statistics.median(
+        (r.get("time/switch_to_rollout", 0.0) + r.get("time/switch_to_trainer", 0.0)) / r["time/step"] for r in steady
+    )
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
     summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
-    (args.out / f"engine_steps_{args.backend}.json").write_text(json.dumps(summary, indent=1))
+    suffix = "_resident" if args.resident_trainer else ""
+    (args.out / f"engine_steps_{args.backend}{suffix}.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
 
 
