@@ -95,14 +95,14 @@ class SaveStore:
         complete = self.complete_steps()
         if not complete:
             return []
-        victims = [s for s in self.steps_on_disk() if s < complete[-1] and s not in complete]
+        victims = {s for s in self.steps_on_disk() if s < complete[-1] and s not in complete}
         if keep is not None and keep > 0:
-            victims += complete[:-keep]
-        for step in sorted(set(victims)):
+            victims.update(complete[:-keep])
+        for step in sorted(victims):
             self.fs.rm(f"{self._path}/{step_name(step)}", recursive=True)
         if victims:
             self._write_meta()
-        return sorted(set(victims))
+        return sorted(victims)
 
     def _write_meta(self) -> None:
         meta = {"complete": [{"step": s, "uri": self.uri(s)} for s in self.complete_steps()]}

@@ -7,9 +7,9 @@ step draws the same prompts with the same seed instead of skipping ahead.
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from typing import Any
+
+from transformers import AutoTokenizer
 
 from engine.checkpoint import load_object, save_object
 from engine.config import TrellisConfig
@@ -22,7 +22,7 @@ from engine.rewards import RewardRunner
 from engine.rng import capture_rng, restore_rng
 from engine.rollout.base import RolloutBackend
 from engine.sampler import PromptSampler
-from engine.types import RolloutSample, Status
+from engine.types import RolloutSample
 
 _KEPT_SNAPSHOTS = 4
 
@@ -72,14 +72,7 @@ class Controller:
     def load_batch(self, step: int) -> ProduceResult:
         """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""
         assert self.config.debug_rollout_dir is not None  # the config requires it in debug_train
-        groups = read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options)
-        samples = [s for group in groups for s in group]
-        return ProduceResult(
-            groups=groups,
-            produced_samples=len(samples),
-            produced_tokens=sum(len(s.response_ids) for s in samples),
-            failed_samples=sum(s.status == Status.FAILED for s in samples),
-        )
+        return ProduceResult.of(read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options))
 
     def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
         config = self.config

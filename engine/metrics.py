@@ -39,6 +39,14 @@ class ThroughputMeter:
     samples: float = 0.0
     tokens: float = 0.0
 
+    def clock(self) -> dict[str, float]:
+        """The run-level counters as plain numbers, to travel between flow runs and tasks."""
+        return {"started_s": self.started_s, "samples": self.samples, "tokens": self.tokens}
+
+    @classmethod
+    def from_clock(cls, clock: dict[str, float]) -> ThroughputMeter:
+        return cls(started_s=clock["started_s"], samples=clock["samples"], tokens=clock["tokens"])
+
     def step_metrics(
         self,
         *,

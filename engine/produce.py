@@ -22,6 +22,18 @@ class ProduceResult:
     failed_samples: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, groups: list[list[RolloutSample]], produce_time_s: float = 0.0) -> ProduceResult:
+        """A result with its counts taken from the groups."""
+        samples = [s for group in groups for s in group]
+        return cls(
+            groups=groups,
+            produce_time_s=produce_time_s,
+            produced_samples=len(samples),
+            produced_tokens=sum(len(s.response_ids) for s in samples),
+            failed_samples=sum(s.status == Status.FAILED for s in samples),
+        )
+
 
 def sampling_params(config: RolloutConfig, *, seed: int, evaluation: bool = False) -> SamplingParams:
     return SamplingParams(
@@ -87,13 +99,7 @@ def rollout_groups(
             sample.reward = result.score
             sample.reward_payload = result.payload
     groups = [samples[i : i + repeat] for i in range(0, len(samples), repeat)]
-    return ProduceResult(
-        groups=groups,
-        produce_time_s=time.perf_counter() - started,
-        produced_samples=len(samples),
-        produced_tokens=sum(len(s.response_ids) for s in samples),
-        failed_samples=sum(s.status == Status.FAILED for s in samples),
-    )
+    return ProduceResult.of(groups, produce_time_s=time.perf_counter() - started)
 
 
 def produce_summary(result: ProduceResult) -> dict[str, float]:

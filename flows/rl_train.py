@@ -122,7 +122,7 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     if config.enable_initial_evaluate and first == 1 and trains_and_rolls:
         link, metrics = evaluate(config, 0)
         log_evaluation(config, 0, metrics, link)
-    clock = _clock(start["train_state"])
+    clock = meter_from(start["train_state"]).clock()
     metrics: dict[str, float] = {}
     for step in range(first, last + 1):
         metrics, clock = rl_step(config, step, clock, last)
@@ -131,7 +131,3 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
         release_workers(config)
     return metrics
 
-
-def _clock(state: dict | None) -> dict[str, float]:
-    meter = meter_from(state)
-    return {"started_s": meter.started_s, "samples": meter.samples, "tokens": meter.tokens}

@@ -53,7 +53,7 @@ def log_step(
     links: dict[str, str],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Write the step's metrics to the trackers and Prefect artifacts; return them and the run clock."""
-    meter = ThroughputMeter(started_s=clock["started_s"], samples=clock["samples"], tokens=clock["tokens"])
+    meter = ThroughputMeter.from_clock(clock)
     metrics = assemble_step_metrics(
         timings=timings, produce=produce, data_info=data_info, fit_metrics=fit_metrics, eval_metrics=eval_metrics, meter=meter
     )
@@ -66,7 +66,7 @@ def log_step(
     )
     for name, uri in links.items():
         create_link_artifact(key=artifact_key(config, name), link=uri, link_text=f"{name} of step {step}")
-    return metrics, {"started_s": meter.started_s, "samples": meter.samples, "tokens": meter.tokens}
+    return metrics, meter.clock()
 
 
 @task(name="log_evaluation", task_run_name="log_evaluation[step={step}]", cache_policy=NO_CACHE, persist_result=False)

@@ -146,7 +146,7 @@ def save_checkpoint(config: TrellisConfig, step: int) -> str:
 
 @task(name="commit_checkpoint", task_run_name="commit_checkpoint[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def commit_checkpoint(config: TrellisConfig, step: int, clock: dict[str, float]) -> str:
-    meter = ThroughputMeter(started_s=clock["started_s"], samples=clock["samples"], tokens=clock["tokens"])
+    meter = ThroughputMeter.from_clock(clock)
     pruned = seal_checkpoint(config, step, train_state(step, meter, policy_version=step))
     if pruned:
         get_run_logger().info("Pruned checkpoints of steps %s", pruned)

@@ -10,24 +10,26 @@ import pytest
 import ray
 from prefect.client.orchestration import get_client
 
-from engine.config_loading import load_config
 from flows.rl_train import rl_train
+from helpers import tiny_config
 
 
 
 def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, **changes):
+    """The example config's saving rules (checkpoints every 10 steps, auto-resume, HF at 50) over
+    three steps that sync and evaluate every second step."""
     base = dict(
-        load_from=str(tiny_model),
-        train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
-        eval_dataset={"path": str(reverse_data["eval"]), "max_prompt_length": 64, "limit": 32},
-        work_dir=str(tmp_path),
         total_train_steps=3,
         sync_weights_interval=2,
-        evaluate_step=2,
+        checkpoint_interval=10,
+        checkpoint_maxkeep=2,
+        hf_interval=50,
+        hf_max_keep=1,
+        auto_resume=True,
         exp_tracker="tensorboard",
         cluster={"address": ray_cluster["address"]},
     )
-    return load_config("configs/tiny_reverse.yaml", **{**base, **changes})
+    return tiny_config(tiny_model, reverse_data, tmp_path, **{**base, **changes})
 
 
 def read_lake(config, split="train"):
@@ -139,7 +141,7 @@ def test_debug_rollout_then_debug_train_as_flow_runs(tiny_model, reverse_data, t
     """Rollout only into a lake, then training only from it: each starts only the workers it needs,
     and the replayed first step has the loss of an ordinary run's first step."""
     from engine.local_run import LocalRun
-    from helpers import logged_metrics, tiny_config
+    from helpers import logged_metrics
 
     def config(name, **changes):
         keep = {"address": ray_cluster["address"], "release_workers_at_end": False}
