@@ -205,13 +205,13 @@ def require_complete(checkpoint_uri: str, storage_options: Mapping[str, Any] | N
     return read_json(f"{uri}/{TRAIN_STATE}", storage_options)
 
 
-def untied_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The model's tensors on CPU with each storage once (safetensors refuses shared storage such as
+def untied_state_dict(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A model's tensors on CPU with each storage once (safetensors refuses shared storage such as
     tied embeddings), and the names left out, each mapped to the name that holds its data."""
     owners: dict[tuple[int, int, tuple[int, ...]], str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    for name, tensor in model.state_dict(keep_vars=False).items():
+    for name, tensor in state.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key in owners:
             aliases[name] = owners[key]

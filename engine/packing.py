@@ -1,12 +1,21 @@
-"""Group training sequences into micro-batches of at most ``pack_max_length`` tokens.
+"""Group training sequences into micro-batches of at most ``pack_max_length`` tokens, and lay them out.
 
 Which sequences share a micro-batch is decided by the token budget (first-fit, order kept). How the
-micro-batch is laid out for the model is a separate choice: ``to_padded`` gives right-padded rows,
-which on CPU beat one long packed row (attention cost grows with the row length squared).
+micro-batch is laid out for the model is a separate choice:
+
+- ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
+  (``engine.varlen_attention``). No pad token is computed; the layout for GPUs.
+- ``to_padded``: right-padded rows, the plain layout every attention implementation runs.
+- ``engine.shared_prefix``: each distinct prompt once, its KV cache shared by its group's samples.
+
+Every layout keeps labels, advantages and rollout logprobs as right-padded [N, L] rows, which the
+losses reduce per token or per sequence, and returns the hidden states of the K labelled positions
+in row-major order of ``loss_mask_NL`` (``label_hidden``), at the precomputed ``label_index_K``.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +23,22 @@ import torch
 from engine.prepare import IGNORE, TrainSequence
 
 
+class LabelRows:
+    """What every layout shares: its labels as right-padded [N, L] rows."""
+
+    labels_NL: torch.Tensor
+
+    @property
+    def loss_mask_NL(self) -> torch.Tensor:
+        return self.labels_NL != IGNORE
+
+    @property
+    def num_sequences(self) -> int:
+        return self.labels_NL.size(0)
+
+
 @dataclass
-class MicroBatch:
+class MicroBatch(LabelRows):
     """Right-padded rows. N sequences, L = longest sequence."""
 
     input_ids_NL: torch.Tensor
@@ -24,18 +47,12 @@ class MicroBatch:
     advantages_NL: torch.Tensor
     rollout_logprobs_NL: torch.Tensor
     sequence_indices: list[int]  # positions of these sequences in the mini-batch
+    label_index_K: torch.Tensor  # row-major positions of the K labels in [N, L]
 
-    @property
-    def loss_mask_NL(self) -> torch.Tensor:
-        return self.labels_NL != IGNORE
-
-    @property
-    def num_sequences(self) -> int:
-        return self.input_ids_NL.size(0)
-
-    def logits(self, model: torch.nn.Module) -> torch.Tensor:
-        """Logits aligned with ``labels_NL``: [N, L, V]."""
-        return model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).logits
+    def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        """Last hidden states of the labelled positions: [K, H]."""
+        hidden_NLH = decoder(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).last_hidden_state
+        return hidden_NLH.flatten(0, 1).index_select(0, self.label_index_K)
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
@@ -45,7 +62,13 @@ class MicroBatch:
             self.advantages_NL.to(device),
             self.rollout_logprobs_NL.to(device),
             self.sequence_indices,
+            self.label_index_K.to(device),
         )
+
+
+def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
+    """Row-major positions of the trained labels, computed once on CPU so the GPU loop needs no sync."""
+    return (labels_NL.flatten() != IGNORE).nonzero().squeeze(1)
 
 
 def pack(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
@@ -85,4 +108,66 @@ def to_padded(sequences: list[TrainSequence], indices: list[int], pad_id: int) -
         labels[row, :n] = torch.tensor(seq.labels)
         advantages[row, :n] = torch.tensor(seq.advantages)
         rollout_logprobs[row, :n] = torch.tensor(seq.rollout_logprobs)
-    return MicroBatch(input_ids, attention, labels, advantages, rollout_logprobs, list(indices))
+    return MicroBatch(input_ids, attention, labels, advantages, rollout_logprobs, list(indices), label_index(labels))
+
+
+@dataclass
+class PackedBatch(LabelRows):
+    """One row of T tokens holding N sequences; ``cu_seq_lens`` [N + 1] marks where each starts."""
+
+    input_ids_1T: torch.Tensor
+    position_ids_1T: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    label_positions_K: torch.Tensor  # where the K labels sit in the row
+    labels_NL: torch.Tensor
+    advantages_NL: torch.Tensor
+    rollout_logprobs_NL: torch.Tensor
+    sequence_indices: list[int]
+    label_index_K: torch.Tensor
+
+    def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        hidden_1TH = decoder(
+            input_ids=self.input_ids_1T,
+            position_ids=self.position_ids_1T,
+            cu_seq_lens_q=self.cu_seq_lens,
+            cu_seq_lens_k=self.cu_seq_lens,
+            max_length_q=self.max_length,
+            max_length_k=self.max_length,
+        ).last_hidden_state
+        # Sequences follow each other in the row, so the packed order of labelled positions is the
+        # row-major order of the [N, L] labels.
+        return hidden_1TH[0].index_select(0, self.label_positions_K)
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(
+            self.input_ids_1T.to(device),
+            self.position_ids_1T.to(device),
+            self.cu_seq_lens.to(device),
+            self.max_length,
+            self.label_positions_K.to(device),
+            self.labels_NL.to(device),
+            self.advantages_NL.to(device),
+            self.rollout_logprobs_NL.to(device),
+            self.sequence_indices,
+            self.label_index_K.to(device),
+        )
+
+
+def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> PackedBatch:
+    chosen = [sequences[i] for i in indices]
+    lengths = [seq.num_tokens for seq in chosen]
+    padded = to_padded(sequences, indices, pad_id)
+    labels = torch.tensor([label for seq in chosen for label in seq.labels], dtype=torch.long)
+    return PackedBatch(
+        input_ids_1T=torch.tensor([[token for seq in chosen for token in seq.input_ids]], dtype=torch.long),
+        position_ids_1T=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        cu_seq_lens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        max_length=max(lengths),
+        label_positions_K=label_index(labels),
+        labels_NL=padded.labels_NL,
+        advantages_NL=padded.advantages_NL,
+        rollout_logprobs_NL=padded.rollout_logprobs_NL,
+        sequence_indices=list(indices),
+        label_index_K=padded.label_index_K,
+    )

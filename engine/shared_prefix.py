@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from engine.packing import LabelRows, label_index
 from engine.prepare import IGNORE, TrainSequence
 from engine.token_rows import left_pad, unique_rows
 
 
 @dataclass
-class SharedPrefixBatch:
+class SharedPrefixBatch(LabelRows):
     prompt_ids_UP: torch.Tensor
     prompt_mask_UP: torch.Tensor
     prompt_index_N: torch.Tensor  # which prompt row each sample continues
@@ -31,41 +32,34 @@ class SharedPrefixBatch:
     advantages_NL: torch.Tensor
     rollout_logprobs_NL: torch.Tensor
     sequence_indices: list[int]
+    label_index_K: torch.Tensor  # row-major positions of the K labels in [N, L]
 
-    @property
-    def loss_mask_NL(self) -> torch.Tensor:
-        return self.labels_NL != IGNORE
-
-    @property
-    def num_sequences(self) -> int:
-        return self.labels_NL.size(0)
-
-    def logits(self, model: torch.nn.Module) -> torch.Tensor:
+    def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        """Last hidden states of the labelled positions, row-major over ``loss_mask_NL``: [K, H]."""
         cache = DynamicCache()
         positions_UP = (self.prompt_mask_UP.cumsum(-1) - 1).clamp(min=0)
-        prompt_out = model(
+        prompt_hidden_UPH = decoder(
             input_ids=self.prompt_ids_UP,
             attention_mask=self.prompt_mask_UP,
             position_ids=positions_UP,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
-        )
-        first_N1V = prompt_out.logits[:, -1:, :].index_select(0, self.prompt_index_N)
+        ).last_hidden_state
+        first_N1H = prompt_hidden_UPH[:, -1:, :].index_select(0, self.prompt_index_N)
         if self.response_ids_NR.size(1) == 0:
-            return first_N1V
+            return first_N1H.flatten(0, 1).index_select(0, self.label_index_K)
         cache.reorder_cache(self.prompt_index_N)
         prompt_mask_NP = self.prompt_mask_UP.index_select(0, self.prompt_index_N)
         start_N1 = prompt_mask_NP.sum(-1, keepdim=True)
         positions_NR = start_N1 + torch.arange(self.response_ids_NR.size(1), device=start_N1.device)
-        response_out = model(
+        response_hidden_NRH = decoder(
             input_ids=self.response_ids_NR,
             attention_mask=torch.cat([prompt_mask_NP, self.response_mask_NR], dim=1),
             position_ids=positions_NR,
             past_key_values=cache,
             use_cache=True,
-        )
-        return torch.cat([first_N1V, response_out.logits], dim=1)
+        ).last_hidden_state
+        return torch.cat([first_N1H, response_hidden_NRH], dim=1).flatten(0, 1).index_select(0, self.label_index_K)
 
     def to(self, device: torch.device) -> SharedPrefixBatch:
         return SharedPrefixBatch(
@@ -74,6 +68,7 @@ class SharedPrefixBatch:
                 self.response_mask_NR, self.labels_NL, self.advantages_NL, self.rollout_logprobs_NL,
             )),
             sequence_indices=self.sequence_indices,
+            label_index_K=self.label_index_K.to(device),
         )
 
 
@@ -104,5 +99,5 @@ def to_shared_prefix(sequences: list[TrainSequence], indices: list[int], pad_id:
         rollout_logprobs[row, :span] = torch.tensor(seq.rollout_logprobs[start:])
     return SharedPrefixBatch(
         prompt_ids, prompt_mask, torch.tensor(prompt_index), response_ids, response_mask,
-        labels, advantages, rollout_logprobs, list(indices),
+        labels, advantages, rollout_logprobs, list(indices), label_index(labels),
     )

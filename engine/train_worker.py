@@ -26,12 +26,15 @@ from engine.checkpoint import (
     staging_folder,
     untied_state_dict,
 )
-from engine.config import TrellisConfig
-from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights, token_entropy, token_logprobs
-from engine.packing import MicroBatch, pack, to_padded
+from engine.config import TrainWorkerConfig, TrellisConfig
+from engine import fsdp
+from engine.logprob_head import Policy, output_head
+from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights
+from engine.packing import MicroBatch, PackedBatch, pack, to_packed, to_padded
 from engine.prepare import PreparedBatch, TrainSequence
 from engine.rng import capture_rng, restore_rng
 from engine.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
+from engine.varlen_attention import use_varlen_attention
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,10 @@ class FitResult:
     step: int
     mini_batch_metrics: list[dict[str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+Layout = MicroBatch | PackedBatch | SharedPrefixBatch
+LAYOUTS = {"packed": to_packed, "padded": to_padded, "shared_prefix": to_shared_prefix}
 
 
 class StepAlreadyApplied(RuntimeError):
@@ -72,11 +79,27 @@ class TrainingWorker:
         self._device = resolve_device(config.train_worker.device)
         self._autocast = self._device.type == "cuda" and config.train_worker.dtype in ("auto", "bfloat16")
         # Parameters and AdamW states stay float32; on GPU the forward runs under bf16 autocast.
+        worker = config.train_worker
+        bf16 = self._device.type == "cuda" and worker.dtype in ("auto", "bfloat16")
+        self._fsdp = worker.fsdp
+        # Parameters and AdamW states stay float32. On GPU the compute runs in bf16: through FSDP2's
+        # mixed-precision policy, or else under autocast.
+        self._autocast = bf16 and not self._fsdp
+        self._temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
         self.model = AutoModelForCausalLM.from_pretrained(config.load_from, dtype=torch.float32).to(self._device)
-        if config.train_worker.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        output_head(self.model)  # refuses models whose logits are not head(hidden state)
+        self._layout = choose_layout(worker, self._device)
+        if self._layout == "packed":
+            use_varlen_attention(self.model)
+        if worker.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if worker.compile:
+            compile_layers(self.model)
         self.model.config.use_cache = False
-        self._reference = self._build_reference() if config.loss.kl_coef > 0 else None
+        self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
+        self.policy = self._policy(self.model)
+        if self._fsdp:
+            fsdp.shard(self.policy, self.model.get_decoder().layers, self._device, torch.bfloat16 if bf16 else None)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -95,7 +118,6 @@ class TrainingWorker:
             ),
         )
         self._pad_id = pad_token_id
-        self._temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
         self.applied_step = 0
 
     # -- the update ---------------------------------------------------------------------------------
@@ -116,7 +138,7 @@ class TrainingWorker:
         needs_old = len(mini_batches) > 1
         micro_per_mini = [self._micro_batches(seqs) for seqs in mini_batches]
         # Old and reference logprobs are taken for the whole batch before the first update.
-        old = [[self._logprobs_no_grad(self.model, m) for m in micro] for micro in micro_per_mini] if needs_old else None
+        old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
         ref = None
         if self._reference is not None:
             ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
@@ -127,32 +149,37 @@ class TrainingWorker:
         self.applied_step = step
         return result
 
-    def _micro_batches(self, sequences: list[TrainSequence]) -> list[MicroBatch | SharedPrefixBatch]:
-        worker = self._config.train_worker
-        share = worker.share_prompt_prefix and not worker.gradient_checkpointing and can_share(sequences)
-        layout = to_shared_prefix if share else to_padded
-        return [layout(sequences, idx, self._pad_id).to(self._device) for idx in pack(sequences, worker.pack_max_length)]
+    def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
+        layout = self._layout
+        if layout == "shared_prefix" and not can_share(sequences):
+            layout = "padded"
+        lay_out = LAYOUTS[layout]
+        packs = pack(sequences, self._config.train_worker.pack_max_length)
+        return [lay_out(sequences, indices, self._pad_id).to(self._device) for indices in packs]
 
-    def _update(self, micro: list[MicroBatch | SharedPrefixBatch], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
+    def _policy(self, model: torch.nn.Module) -> Policy:
+        return Policy(model, temperature=self._temperature, chunk_tokens=self._config.train_worker.logprob_chunk_tokens)
+
+    def _token_logprobs(self, policy: Policy, batch: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            return policy(batch)
+
+    def _update(self, micro: list[Layout], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
         loss_config = self._config.loss
         total_tokens = float(sum(int(m.loss_mask_NL.sum()) for m in micro))
         total_sequences = float(sum(m.num_sequences for m in micro))
-        sums: dict[str, float] = defaultdict(float)
-        maxima: dict[str, float] = defaultdict(lambda: float("-inf"))
-        minima: dict[str, float] = defaultdict(lambda: float("inf"))
+        tally = _Tally()
         for index, batch in enumerate(micro):
             mask = batch.loss_mask_NL
-            with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
-                logits = batch.logits(self.model)
-            logprobs = token_logprobs(logits, batch.labels_NL, self._temperature)
+            logprobs, entropy = self._token_logprobs(self.policy, batch)
             old_logprobs = old[index] if old is not None else logprobs.detach()
             is_weights = None
             if loss_config.rollout_is.level != "none":
                 is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
-                sums["rollout_is/weight_sum"] += float(is_stats["weight_sum"])
-                sums["rollout_is/rejected"] += float(is_stats["rejected"])
-                maxima["rollout_is/max"] = max(maxima["rollout_is/max"], float(is_stats["weight_max"]))
-                minima["rollout_is/min"] = min(minima["rollout_is/min"], float(is_stats["weight_min"]))
+                tally.add("rollout_is/weight_sum", is_stats["weight_sum"])
+                tally.add("rollout_is/rejected", is_stats["rejected"])
+                tally.max("rollout_is/max", is_stats["weight_max"])
+                tally.min("rollout_is/min", is_stats["weight_min"])
             pg_loss, kl, counts = policy_objective(
                 logprobs,
                 old_logprobs,
@@ -164,21 +191,21 @@ class TrainingWorker:
             )
             reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
             loss = aggregate(pg_loss, mask, **reduce)
-            sums["pg_loss"] += float(loss.detach())
+            tally.add("pg_loss", loss)
             if kl is not None:
                 kl_loss = aggregate(kl, mask, **reduce)
                 loss = loss + loss_config.kl_coef * kl_loss
-                sums["kl"] += float(kl_loss.detach())
+                tally.add("kl", kl_loss)
             loss.backward()
             for name, value in counts.items():
-                sums[name] += float(value)
-            sums["entropy_sum"] += float((token_entropy(logits.detach()) * mask).sum())
+                tally.add(name, value)
+            tally.add("entropy_sum", entropy.sum())
             for name, value in mismatch_sums(old_logprobs.detach(), batch.rollout_logprobs_NL, mask).items():
                 if name.endswith("_max"):
-                    maxima[f"mismatch/{name}"] = max(maxima[f"mismatch/{name}"], float(value))
+                    tally.max(f"mismatch/{name}", value)
                 else:
-                    sums[f"mismatch/{name}"] += float(value)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm)
+                    tally.add(f"mismatch/{name}", value)
+        grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -186,34 +213,35 @@ class TrainingWorker:
             logger.warning("Non-finite grad norm %s: this mini-batch's update is skipped.", float(grad_norm))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return _mini_batch_metrics(sums, maxima, minima, total_tokens, float(grad_norm), lr)
+        return _mini_batch_metrics(*tally.values(), total_tokens, float(grad_norm), lr)
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, model: torch.nn.Module, batch: MicroBatch | SharedPrefixBatch) -> torch.Tensor:
-        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            logits = batch.logits(model)
-        return token_logprobs(logits, batch.labels_NL, self._temperature)
+    def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
+        return self._token_logprobs(policy, batch)[0]
 
-    def _build_reference(self) -> torch.nn.Module:
+    def _build_reference(self, bf16: bool) -> Policy:
+        """The initial policy, frozen, for the KL penalty; kept in bf16 when the compute is bf16."""
         reference = copy.deepcopy(self.model).eval()
         reference.requires_grad_(False)
-        return reference
+        if bf16 and self._fsdp:
+            reference.to(torch.bfloat16)
+        return self._policy(reference)
 
     # -- weights ----------------------------------------------------------------------------------
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout backend (detached views; the receiver copies them)."""
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+        return fsdp.full_tensors(self.model.state_dict())
 
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
-        tensors, aliases = untied_state_dict(self.model)
+        tensors, aliases = untied_state_dict(fsdp.full_tensors(self.model.state_dict()))
         with staging_folder(uri, storage_options) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
-                torch.save(self.optimizer.state_dict(), f"{folder}/optimizer.pt")
+                torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
             state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
             torch.save(state, f"{folder}/trainer.pt")
 
@@ -223,8 +251,8 @@ class TrainingWorker:
         with downloaded(f"{uri}/model.safetensors", storage_options) as local:
             with safe_open(local, framework="pt") as handle:
                 aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-            missing, unexpected = self.model.load_state_dict(load_file(local, device=str(self._device)), strict=False)
-        if set(missing) != set(aliases) or unexpected:  # tied names load through the name that owns their data
+            missing, unexpected = fsdp.load_model_state(self.model, load_file(local, device=str(self._device)))
+        if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
             raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
         state = load_object(f"{uri}/trainer.pt", storage_options)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -234,7 +262,7 @@ class TrainingWorker:
                     f"{uri} holds no optimizer state (saved with checkpoint_no_save_optimizer); set "
                     "load_checkpoint_cfg.load_optimizer_states=false to start with fresh AdamW moments."
                 )
-            self.optimizer.load_state_dict(load_object(f"{uri}/optimizer.pt", storage_options))
+            fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
         else:
             self.optimizer.state.clear()
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
@@ -246,7 +274,7 @@ class TrainingWorker:
     def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
         with staging_folder(uri, storage_options) as folder:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            self.model.save_pretrained(folder, state_dict=fsdp.full_tensors(self.model.state_dict()), safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
     def offload(self) -> None:
@@ -260,11 +288,69 @@ class TrainingWorker:
     def _move(self, device: torch.device) -> None:
         if self._device.type == "cpu":
             return
-        self.model.to(device)
+        self.policy.to(device)  # the FSDP root, which re-registers its sharded parameters after the move
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (transformers renamed the switch in v5.2x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """Compile the decoder layers one by one: identical layers share one graph, so this compiles once,
+    and lengths that vary between micro-batches are traced as dynamic instead of recompiled."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"train_worker.compile: {type(model).__name__} has no decoder.layers to compile.")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
+def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:
+    if worker.layout != "auto":
+        return worker.layout
+    if device.type == "cuda":
+        return "packed"
+    return "padded" if worker.gradient_checkpointing else "shared_prefix"
+
+
+class _Tally:
+    """Metric sums, maxima and minima of a mini-batch, kept on the device until it ends so that the
+    micro-batch loop never waits for the GPU (each ``float()`` of a GPU value would)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._maxima: dict[str, torch.Tensor] = {}
+        self._minima: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self._sums[name] = self._sums[name] + value if name in self._sums else value
+
+    def max(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self._maxima[name] = torch.maximum(self._maxima[name], value) if name in self._maxima else value
+
+    def min(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self._minima[name] = torch.minimum(self._minima[name], value) if name in self._minima else value
+
+    def values(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """All three as floats, read back from the device at once."""
+        tables = (self._sums, self._maxima, self._minima)
+        names = [(table, name) for table in tables for name in table]
+        if not names:
+            return defaultdict(float), {}, {}
+        numbers = torch.stack([table[name] for table, name in names]).tolist()
+        out: tuple[dict[str, float], ...] = (defaultdict(float), {}, {})
+        for (table, name), number in zip(names, numbers):
+            out[tables.index(table)][name] = number
+        return out
 
 
 def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:

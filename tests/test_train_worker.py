@@ -6,14 +6,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config_loading import load_config
 from engine.data import load_prompts
+from engine.logprob_head import batch_logprobs, output_head
 from engine.losses import token_logprobs
-from engine.packing import to_padded
+from engine.packing import to_packed, to_padded
 from engine.prepare import prepare_train_data
 from engine.produce import rollout_groups, sampling_params
 from engine.rewards import RewardRunner
 from engine.rollout.transformers_backend import TransformersRollout
-from engine.shared_prefix import to_shared_prefix
-from engine.train_worker import StepAlreadyApplied, TrainingWorker, lr_factor
+from engine.train_worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
+from engine.varlen_attention import use_varlen_attention
 
 
 def _config(tiny_model, reverse_data, **changes):
@@ -115,21 +116,100 @@ def test_learning_rate_schedules():
     assert lr_factor(10, warmup=4, total=10, kind="cosine", min_ratio=0.1) == pytest.approx(0.1)
 
 
-def test_shared_prompt_prefix_equals_the_padded_layout(tiny_model, reverse_data, rollout_batch):
-    """Sharing each prompt across its group changes the compute, not the math: same logprobs, same gradients."""
+def _full_logits_reference(model, sequences, pad_id):
+    """Logprobs and gradients the plain way: padded rows, the model's own full logits."""
+    batch = to_padded(sequences, list(range(len(sequences))), pad_id)
+    model.zero_grad()
+    logprobs = token_logprobs(model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits, batch.labels_NL)
+    (logprobs * batch.advantages_NL).sum().backward()
+    return logprobs[batch.loss_mask_NL].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared_prefix", "packed+checkpointing"])
+def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, reverse_data, rollout_batch, layout):
+    """Packing, prompt sharing, the chunked head (7 positions per chunk here, so every micro-batch
+    spans many chunks) and activation checkpointing change the compute, not the math."""
     groups, pad_id = rollout_batch
     config = _config(tiny_model, reverse_data)
     sequences = prepare_train_data(groups, config.advantage, shuffle=True, seed=1).sequences
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    outputs = {}
-    for name, layout in (("shared", to_shared_prefix), ("padded", to_padded)):
-        batch = layout(sequences, list(range(len(sequences))), pad_id)
-        model.zero_grad()
-        logprobs = token_logprobs(batch.logits(model), batch.labels_NL)
-        (logprobs * batch.advantages_NL).sum().backward()
-        picked = logprobs[batch.loss_mask_NL]  # response tokens, row by row, in both layouts
-        outputs[name] = (picked.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    (shared_lp, shared_grad), (padded_lp, padded_grad) = outputs["shared"], outputs["padded"]
-    assert shared_lp.shape == padded_lp.shape and torch.allclose(shared_lp, padded_lp, atol=1e-5)
-    for name, grad in shared_grad.items():
-        assert torch.allclose(grad, padded_grad[name], atol=1e-5, rtol=1e-4), name
+    expected_lp, expected_grad = _full_logits_reference(model, sequences, pad_id)
+
+    name, _, extra = layout.partition("+")
+    if name == "packed":
+        use_varlen_attention(model)
+    if extra == "checkpointing":
+        enable_activation_checkpointing(model)
+        model.train()
+    batch = LAYOUTS[name](sequences, list(range(len(sequences))), pad_id)
+    model.zero_grad()
+    logprobs, entropy = batch_logprobs(model, batch, temperature=1.0, chunk_tokens=7)
+    (logprobs * batch.advantages_NL).sum().backward()
+    picked = logprobs[batch.loss_mask_NL].detach()  # response tokens, row by row, in every layout
+    assert picked.shape == expected_lp.shape and torch.allclose(picked, expected_lp, atol=1e-5)
+    assert bool((entropy[batch.loss_mask_NL] > 0).all()) and float(entropy[~batch.loss_mask_NL].abs().sum()) == 0.0
+    for param_name, param in model.named_parameters():
+        assert torch.allclose(param.grad, expected_grad[param_name], atol=1e-5, rtol=1e-4), param_name
+
+
+def test_packed_rows_hold_no_padding(rollout_batch, tiny_model, reverse_data):
+    groups, pad_id = rollout_batch
+    sequences = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
+    batch = to_packed(sequences, [0, 1, 2], pad_id)
+    lengths = [sequences[i].num_tokens for i in (0, 1, 2)]
+    assert batch.input_ids_1T.shape == (1, sum(lengths))
+    assert batch.cu_seq_lens.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert batch.position_ids_1T[0, lengths[0]].item() == 0  # positions restart with each sequence
+    assert batch.label_positions_K.numel() == batch.label_index_K.numel() == int(batch.loss_mask_NL.sum())
+
+
+def test_a_model_that_rescales_its_logits_is_refused(tiny_model):
+    """The chunked head computes head(hidden); a model that post-processes logits must not be trained with it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert output_head(model) is model.get_output_embeddings()
+    original = model.forward
+
+    def scaled_forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    model.forward = scaled_forward
+    with pytest.raises(ValueError, match="changes its logits after the output layer"):
+        output_head(model)
+
+
+def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(tiny_model, reverse_data, rollout_batch, tmp_path):
+    """fully_shard on CPU (gloo, one rank, fp32 compute): two mini-batches with a KL reference and a
+    packed layout give the plain worker's metrics and weights; its checkpoint restores into a plain
+    worker, which then takes the same next step; its HF export loads."""
+    groups, pad_id = rollout_batch
+    changes = dict(
+        train_worker={"optimizer_steps": 2, "layout": "packed", "logprob_chunk_tokens": 64},
+        loss={"kl_coef": 0.1},
+    )
+    batch = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0)
+    workers = {}
+    for fsdp in (False, True):
+        config = _config(tiny_model, reverse_data, **{**changes, "train_worker": {**changes["train_worker"], "fsdp": fsdp}})
+        workers[fsdp] = TrainingWorker(config, total_train_steps=4, pad_token_id=pad_id)
+        workers[fsdp].result = workers[fsdp].fit(batch, 1).metrics
+    plain, sharded = workers[False], workers[True]
+    assert type(next(sharded.model.parameters())).__name__ == "DTensor"
+    for name in ("pg_loss", "grad_norm", "entropy", "kl"):
+        assert sharded.result[name] == pytest.approx(plain.result[name], rel=1e-4, abs=1e-6), name
+    sharded_weights = sharded.export_weights()
+    for name, tensor in plain.export_weights().items():
+        assert torch.allclose(sharded_weights[name], tensor, atol=1e-6), name
+
+    sharded.save_checkpoint(str(tmp_path / "ckpt"), {}, save_optimizer=True)
+    plain.fit(batch, 2)
+    restored = TrainingWorker(plain._config, total_train_steps=4, pad_token_id=pad_id)
+    assert restored.load_checkpoint(str(tmp_path / "ckpt"), {}) == 1
+    restored.fit(batch, 2)
+    for name, tensor in plain.export_weights().items():
+        assert torch.allclose(restored.export_weights()[name], tensor, atol=1e-5), name
+
+    sharded.export_hf(str(tmp_path / "hf"), {}, str(tiny_model))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(exported.model.embed_tokens.weight, sharded_weights["model.embed_tokens.weight"])

@@ -1,0 +1,80 @@
+"""FSDP2 (``fully_shard``) for the training worker: fp32 master weights and AdamW states, bf16 compute.
+
+At world size 1 nothing is sharded, but the mixed-precision policy is what makes the GPU path fast:
+each layer's weights are cast to bf16 once per forward and the whole computation (embeddings, norms,
+residual stream) runs in bf16, where autocast keeps the residual stream in fp32 and re-casts every
+weight at every matmul. Gradients are reduced in fp32 into the fp32 master weights. More trainer
+GPUs change only the mesh: each rank then keeps 1/world of weights, gradients and AdamW states.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A one-process group on a free loopback port unless one exists (e.g. started by a launcher)."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def shard(root: torch.nn.Module, layers: torch.nn.ModuleList, device: torch.device, compute_dtype: torch.dtype | None) -> None:
+    """``fully_shard`` each layer, then ``root`` (embeddings, final norm and output layer)."""
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # Inputs are micro-batch layouts whose float tensors (advantages, rollout logprobs) must stay
+    # float32; the embedding's bf16 output already carries the compute dtype into the layers.
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+
+
+def full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain tensors for a state dict that may hold DTensors; names that share one tensor (tied
+    embeddings) keep sharing it, so checkpoints still store it once."""
+    gathered: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            tensor = gathered.setdefault(id(tensor), tensor.full_tensor())
+        out[name] = tensor.detach()
+    return out
+
+
+def to_plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]):
+    """Load full tensors into a plain or sharded model; returns (missing, unexpected) names."""
+    return set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW state keyed by parameter name, as full CPU tensors, for a plain or sharded model."""
+    return get_optimizer_state_dict(model, optimizer, options=FULL)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
