@@ -1,0 +1,212 @@
+"""Training throughput and MFU on packed 8k-token micro-batches of a 0.5B model, against a plain loop.
+
+Every variant trains the same GRPO-shaped batch (groups of 8 samples sharing a 128-token prompt,
+responses of 64-1536 tokens, loss on response tokens) for a few optimizer steps, fp32 master weights
+with bf16 autocast, fused AdamW:
+
+- ``plain``: the loop everyone writes first: right-padded rows, the model's full logits, log-softmax
+  in float32;
+- ``trellis_<layout>[+compile][+fsdp]``: ``TrainingWorker.fit`` itself, with that layout, compiled
+  decoder layers, and bf16 from FSDP2's mixed-precision policy instead of autocast.
+
+MFU counts the FLOPs the objective needs, whatever a variant spends on padding or recompute:
+6 x body parameters per token, 6 x hidden x vocab per labelled token (the output layer), and
+6 x layers x hidden x sum(len^2) for causal attention, against 989 TFLOP/s (H200 dense bf16).
+
+    python bench/gpu/train_mfu.py OUT_DIR [--steps 4] [--tokens 65536] [--variants plain,trellis_packed,...] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_steps import random_qwen2_05b  # noqa: E402
+
+from engine.config_loading import load_config  # noqa: E402
+from engine.losses import token_logprobs  # noqa: E402
+from engine.packing import pack, to_padded  # noqa: E402
+from engine.prepare import IGNORE, PreparedBatch, TrainSequence  # noqa: E402
+from engine.tiny.model import build_tokenizer  # noqa: E402
+from engine.tiny.reverse_task import write_dataset  # noqa: E402
+from engine.train_worker import TrainingWorker  # noqa: E402
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+PEAK_FLOPS = 989e12
+PACK = 8192
+
+
+def grpo_batch(total_tokens: int, vocab: int, seed: int = 0) -> list[TrainSequence]:
+    rng = random.Random(seed)
+    sequences: list[TrainSequence] = []
+    used = 0
+    while used < total_tokens:
+        prompt = [rng.randrange(vocab) for _ in range(128)]
+        for _ in range(8):
+            response = [rng.randrange(vocab) for _ in range(rng.randint(64, 1536))]
+            ids = prompt + response
+            labels = [IGNORE] * 127 + response
+            sequences.append(
+                TrainSequence(
+                    input_ids=ids[:-1],
+                    labels=labels,
+                    advantages=[0.0] * 127 + [rng.choice((-1.0, 1.0))] * len(response),
+                    rollout_logprobs=[0.0] * 127 + [-11.9] * len(response),
+                    prompt_length=128,
+                )
+            )
+            used += len(ids) - 1
+    return sequences
+
+
+def objective_flops(model, sequences: list[TrainSequence]) -> float:
+    config = model.config
+    body = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size
+    tokens = sum(s.num_tokens for s in sequences)
+    labelled = sum(sum(1 for label in s.labels if label != IGNORE) for s in sequences)
+    attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    attention = 6 * config.num_hidden_layers * attention_width * sum(s.num_tokens**2 for s in sequences)
+    return 6 * body * tokens + 6 * config.hidden_size * config.vocab_size * labelled + attention
+
+
+def plain_loop(model_dir: Path, sequences, pad_id: int, dtype: torch.dtype = torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    micro = [to_padded(sequences, idx, pad_id).to(torch.device("cuda")) for idx in pack(sequences, PACK)]
+    tokens = float(sum(int(m.loss_mask_NL.sum()) for m in micro))
+
+    def step():
+        for batch in micro:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                logits = model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+            logprobs = token_logprobs(logits, batch.labels_NL)
+            (-(logprobs * batch.advantages_NL).sum() / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    padded_tokens = sum(m.input_ids_NL.numel() for m in micro)
+    return model, step, {"micro_batches": len(micro), "pad_fraction": 1 - sum(s.num_tokens for s in sequences) / padded_tokens}
+
+
+def trellis_worker(config, sequences, name: str):
+    """``trellis_<layout>[+compile][+fsdp]``: FSDP2's mixed precision instead of autocast."""
+    layout, *options = name.removeprefix("trellis_").split("+")
+    settings = {"layout": layout, "compile": "compile" in options, "fsdp": "fsdp" in options}
+    worker = TrainingWorker(
+        config.model_copy(update={"train_worker": config.train_worker.model_copy(update=settings)}),
+        total_train_steps=100,
+        pad_token_id=0,
+    )
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        worker.fit(PreparedBatch(sequences=sequences), state["step"])
+
+    return worker.model, step, {}
+
+
+def measure(step, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def profile(step, path: Path) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+    table = events.table(sort_by="self_device_time_total", row_limit=30)
+    path.write_text(f"gpu busy {gpu_us / 1e3:.1f} ms over {kernels} device ops\n{table}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--profile", action="store_true", help="also write each variant's top kernels")
+    parser.add_argument("--variants", default="plain,trellis_padded,trellis_packed,trellis_packed+fsdp,trellis_packed+compile")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/trellis-gpu")
+    tokenizer = build_tokenizer()
+    model_dir = random_qwen2_05b(tokenizer, work / "qwen2-05b-random")
+    config = load_config(
+        None,
+        load_from=str(model_dir),
+        train_dataset={"path": str(write_dataset(work / "train.parquet", 64, seed=0))},
+        total_train_steps=100,
+        train_worker={"pack_max_length": PACK},
+        loss={"rollout_is": {"level": "none"}},
+    )
+    sequences = grpo_batch(args.tokens, 151936)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "sequences": len(sequences),
+               "tokens_per_step": sum(s.num_tokens for s in sequences), "pack_max_length": PACK, "variants": {}}
+    for name in args.variants.split(","):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            if name.startswith("plain"):
+                dtype = torch.bfloat16 if name == "plain_bf16" else torch.float32
+                model, step, extra = plain_loop(model_dir, sequences, tokenizer.pad_token_id, dtype)
+            else:
+                model, step, extra = trellis_worker(config, sequences, name)
+            warmup = measure(step, 2 if "compile" in name else 1)
+            times = measure(step, args.steps)
+        except Exception as error:  # a variant that fails is reported, the others still run
+            results["variants"][name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            print(name, results["variants"][name], flush=True)
+            continue
+        seconds = statistics.median(times)
+        flops = objective_flops(model, sequences)
+        results["variants"][name] = {
+            **extra,
+            "warmup_s": warmup,
+            "step_s": times,
+            "tokens_per_s": results["tokens_per_step"] / seconds,
+            "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / PEAK_FLOPS,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        print(name, json.dumps(results["variants"][name]), flush=True)
+        if args.profile:
+            profile(step, args.out / f"profile_{name.replace('+', '-')}.txt")
+        del model, step
+        gc.collect()
+    plain = results["variants"].get("plain", {}).get("tokens_per_s")
+    for name, figures in results["variants"].items():
+        if plain and "tokens_per_s" in figures:
+            figures["speed_vs_plain"] = figures["tokens_per_s"] / plain
+    (args.out / "h200_train_mfu.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps({n: {k: v for k, v in f.items() if k in ("mfu", "tokens_per_s", "speed_vs_plain", "error")} for n, f in results["variants"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
