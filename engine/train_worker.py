@@ -26,8 +26,8 @@ from engine.checkpoint import (
     staging_folder,
     untied_state_dict,
 )
-from engine.config import TrainWorkerConfig, TrellisConfig
 from engine import fsdp
+from engine.config import TrainWorkerConfig, TrellisConfig
 from engine.logprob_head import Policy, output_head
 from engine.losses import aggregate, mismatch_sums, policy_objective, rollout_is_weights
 from engine.packing import MicroBatch, PackedBatch, pack, to_packed, to_padded
@@ -77,8 +77,6 @@ class TrainingWorker:
     def __init__(self, config: TrellisConfig, *, total_train_steps: int, pad_token_id: int) -> None:
         self._config = config
         self._device = resolve_device(config.train_worker.device)
-        self._autocast = self._device.type == "cuda" and config.train_worker.dtype in ("auto", "bfloat16")
-        # Parameters and AdamW states stay float32; on GPU the forward runs under bf16 autocast.
         worker = config.train_worker
         bf16 = self._device.type == "cuda" and worker.dtype in ("auto", "bfloat16")
         self._fsdp = worker.fsdp
@@ -166,7 +164,7 @@ class TrainingWorker:
 
     def _update(self, micro: list[Layout], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
         loss_config = self._config.loss
-        total_tokens = float(sum(int(m.loss_mask_NL.sum()) for m in micro))
+        total_tokens = float(sum(m.label_index_K.numel() for m in micro))
         total_sequences = float(sum(m.num_sequences for m in micro))
         tally = _Tally()
         for index, batch in enumerate(micro):
