@@ -22,12 +22,6 @@ def token_logprobs(logits_NLV: torch.Tensor, labels_NL: torch.Tensor, temperatur
     return torch.where(labels_NL >= 0, logprobs, torch.zeros_like(logprobs))
 
 
-@torch.no_grad()
-def token_entropy(logits_NLV: torch.Tensor) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits_NLV.float(), dim=-1)
-    return -(logprobs.exp() * logprobs).sum(-1)
-
-
 def ppo_clip_loss(
     logprobs_NL: torch.Tensor,
     old_logprobs_NL: torch.Tensor,
