@@ -16,7 +16,8 @@ in row-major order of ``loss_mask_NL`` (``label_hidden``), at the precomputed ``
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 import torch
 
@@ -36,6 +37,11 @@ class LabelRows:
     def num_sequences(self) -> int:
         return self.labels_NL.size(0)
 
+    def to(self, device: torch.device) -> Self:
+        """The same layout with every tensor on ``device`` (layouts are dataclasses)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: value.to(device) for name, value in values.items() if isinstance(value, torch.Tensor)})
+
 
 @dataclass
 class MicroBatch(LabelRows):
@@ -54,16 +60,6 @@ class MicroBatch(LabelRows):
         hidden_NLH = decoder(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).last_hidden_state
         return hidden_NLH.flatten(0, 1).index_select(0, self.label_index_K)
 
-    def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(
-            self.input_ids_NL.to(device),
-            self.attention_mask_NL.to(device),
-            self.labels_NL.to(device),
-            self.advantages_NL.to(device),
-            self.rollout_logprobs_NL.to(device),
-            self.sequence_indices,
-            self.label_index_K.to(device),
-        )
 
 
 def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
@@ -139,19 +135,6 @@ class PackedBatch(LabelRows):
         # row-major order of the [N, L] labels.
         return hidden_1TH[0].index_select(0, self.label_positions_K)
 
-    def to(self, device: torch.device) -> PackedBatch:
-        return PackedBatch(
-            self.input_ids_1T.to(device),
-            self.position_ids_1T.to(device),
-            self.cu_seq_lens.to(device),
-            self.max_length,
-            self.label_positions_K.to(device),
-            self.labels_NL.to(device),
-            self.advantages_NL.to(device),
-            self.rollout_logprobs_NL.to(device),
-            self.sequence_indices,
-            self.label_index_K.to(device),
-        )
 
 
 def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> PackedBatch:

@@ -61,15 +61,6 @@ class SharedPrefixBatch(LabelRows):
         ).last_hidden_state
         return torch.cat([first_N1H, response_hidden_NRH], dim=1).flatten(0, 1).index_select(0, self.label_index_K)
 
-    def to(self, device: torch.device) -> SharedPrefixBatch:
-        return SharedPrefixBatch(
-            *(tensor.to(device) for tensor in (
-                self.prompt_ids_UP, self.prompt_mask_UP, self.prompt_index_N, self.response_ids_NR,
-                self.response_mask_NR, self.labels_NL, self.advantages_NL, self.rollout_logprobs_NL,
-            )),
-            sequence_indices=self.sequence_indices,
-            label_index_K=self.label_index_K.to(device),
-        )
 
 
 def can_share(sequences: list[TrainSequence]) -> bool:
