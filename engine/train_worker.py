@@ -228,14 +228,15 @@ class TrainingWorker:
     # -- weights ----------------------------------------------------------------------------------
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Weights for the rollout backend (detached views; the receiver copies them)."""
+        """Full weights by name (detached views; the receiver copies them): for the rollout backend,
+        checkpoints and HF exports alike, sharded or not."""
         return fsdp.full_tensors(self.model.state_dict())
 
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
-        tensors, aliases = untied_state_dict(fsdp.full_tensors(self.model.state_dict()))
+        tensors, aliases = untied_state_dict(self.export_weights())
         with staging_folder(uri, storage_options) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
@@ -272,7 +273,7 @@ class TrainingWorker:
     def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
         with staging_folder(uri, storage_options) as folder:
-            self.model.save_pretrained(folder, state_dict=fsdp.full_tensors(self.model.state_dict()), safe_serialization=True)
+            self.model.save_pretrained(folder, state_dict=self.export_weights(), safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
     def offload(self) -> None:
@@ -341,13 +342,12 @@ class _Tally:
     def values(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """All three as floats, read back from the device at once."""
         tables = (self._sums, self._maxima, self._minima)
-        names = [(table, name) for table in tables for name in table]
-        if not names:
-            return defaultdict(float), {}, {}
-        numbers = torch.stack([table[name] for table, name in names]).tolist()
         out: tuple[dict[str, float], ...] = (defaultdict(float), {}, {})
-        for (table, name), number in zip(names, numbers):
-            out[tables.index(table)][name] = number
+        entries = [(which, name, value) for which, table in enumerate(tables) for name, value in table.items()]
+        if entries:
+            numbers = torch.stack([value for _, _, value in entries]).tolist()
+            for (which, name, _), number in zip(entries, numbers):
+                out[which][name] = number
         return out
 
 
