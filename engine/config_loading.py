@@ -42,11 +42,19 @@ def parse_config(raw: dict[str, Any]) -> TrellisConfig:
         raise ConfigError(describe_validation_error(error, TrellisConfig)) from None
 
 
+# Keys that an earlier trellis accepted, and what replaced them.
+RENAMED = {
+    "train_worker.share_prompt_prefix": "train_worker.layout (shared_prefix for true, padded for false)",
+}
+
+
 def describe_validation_error(error: ValidationError, model: type[BaseModel]) -> str:
     lines = [f"Invalid configuration ({error.error_count()} problem(s)):"]
     for item in error.errors():
         location = ".".join(str(part) for part in item["loc"])
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and location in RENAMED:
+            lines.append(f"  - {location}: renamed; use {RENAMED[location]}")
+        elif item["type"] == "extra_forbidden":
             lines.append(f"  - {location}: unknown key{_suggestion(model, item['loc'])}")
         elif item["type"] == "missing":
             lines.append(f"  - {location}: required, but not set")

@@ -49,6 +49,12 @@ def test_a_minimal_config_is_valid_and_frozen():
         ({"train_worker": {"pack_max_length": 64}}, "pack_max_length=64 cannot hold a sample"),
         ({"rollout": {"temperature": -1}}, "rollout.temperature: Input should be greater than or equal to 0"),
         ({"experiment_name": "a b"}, "experiment_name: String should match pattern"),
+        (
+            {"train_worker": {"layout": "shared_prefix", "gradient_checkpointing": True}},
+            "shared_prefix needs the prompts' KV cache, which gradient checkpointing drops",
+        ),
+        ({"train_worker": {"layout": "unpadded"}}, "train_worker.layout: Input should be 'auto', 'packed', 'padded' or 'shared_prefix'"),
+        ({"train_worker": {"logprob_chunk_tokens": 0}}, "train_worker.logprob_chunk_tokens: Input should be greater than 0"),
     ],
 )
 def test_rule(changes, message):
@@ -58,6 +64,10 @@ def test_rule(changes, message):
 def test_unknown_key_names_the_closest_valid_one():
     check("train_batch_sise: unknown key; did you mean 'train_batch_size'?", train_batch_sise=4)
     check("rollout.temprature: unknown key; did you mean 'temperature'?", rollout={"temprature": 0.5})
+
+
+def test_a_renamed_key_names_its_replacement():
+    check("train_worker.share_prompt_prefix: renamed; use train_worker.layout", train_worker={"share_prompt_prefix": True})
 
 
 def test_missing_required_keys_are_listed_together():
