@@ -18,12 +18,20 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from engine.config import TrellisConfig
 from engine.controller import Controller
-from engine.local_run import build_rollout_backend, resolve_total_steps, seed_everything
+from engine.local_run import build_rollout_backend, resolve_total_steps, rollout_device, seed_everything
 from engine.prepare import PreparedBatch
 from engine.produce import ProduceResult, produce_summary
 from engine.rollout.base import Generation, SamplingParams
 from engine.secrets import install_log_redaction
-from engine.train_worker import FitResult, TrainingWorker
+from engine.train_worker import FitResult, TrainingWorker, resolve_device
+from engine.weight_transport import SharedWeights, WeightSender, gpu_identity, receive
+
+# What the rollout side runs in on a GPU (both backends); weights are cast to it before sharing.
+ROLLOUT_GPU_DTYPE = torch.bfloat16
+
+
+class GpuPlacementError(RuntimeError):
+    pass
 
 
 def _set_up_process(config: TrellisConfig) -> None:
@@ -37,6 +45,22 @@ class TrainerActor:
     def __init__(self, config: TrellisConfig, total_train_steps: int, pad_token_id: int) -> None:
         _set_up_process(config)
         self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
+        self._on_gpu = resolve_device(config.train_worker.device).type == "cuda"
+        self._sender: WeightSender | None = None
+
+    def gpu_identity(self) -> str | None:
+        return gpu_identity() if self._on_gpu else None
+
+    def share_weights(self) -> SharedWeights:
+        """CUDA IPC handles of the current weights (cast for the rollout); held until released."""
+        self.release_shared_weights()
+        self._sender = WeightSender(self.worker.export_weights(), float_dtype=ROLLOUT_GPU_DTYPE)
+        return self._sender.shared()
+
+    def release_shared_weights(self) -> None:
+        if self._sender is not None:
+            self._sender.release()
+            self._sender = None
 
     def fit(self, batch: PreparedBatch, step: int) -> FitResult:
         return self.worker.fit(batch, step)
@@ -73,6 +97,17 @@ class RolloutActor:
 
         _set_up_process(config)
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
+        self._on_gpu = rollout_device(config).type == "cuda"
+
+    def gpu_identity(self) -> str | None:
+        return gpu_identity() if self._on_gpu else None
+
+    def load_shared_weights(self, shared: SharedWeights, policy_version: int) -> int:
+        weights = receive(shared)
+        self.backend.load_weights(weights, policy_version)
+        torch.cuda.synchronize()  # the copies out of the trainer's buffers are done before it frees them
+        del weights
+        return policy_version
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         return self.backend.generate(prompts, params)
@@ -192,26 +227,52 @@ def _names(config: TrellisConfig) -> dict[str, str]:
     return {role: f"{config.experiment_name}-{role}" for role in ("controller", "trainer", "rollout")}
 
 
-def _get_or_create(actor_class, name: str, config: TrellisConfig, *args):
-    return actor_class.options(
-        name=name, namespace=config.ray_namespace, lifetime="detached", get_if_exists=True, max_concurrency=1
-    ).remote(config, *args)
+def gpu_requests(config: TrellisConfig, cluster_gpus: float) -> dict[str, float]:
+    """The GPU fraction each role asks Ray for. On a cluster with GPUs, device ``auto`` means the
+    trainer takes one, and the rollout follows it (vLLM always needs one); by default the GPU workers
+    split one GPU, colocated, as XTuner's colocated trainer does."""
+    device = config.train_worker.device
+    trainer_gpu = device == "cuda" or (device == "auto" and cluster_gpus > 0)
+    wants = []
+    if "trainer" in roles(config) and trainer_gpu:
+        wants.append("trainer")
+    if "rollout" in roles(config) and (config.rollout.backend == "vllm" or trainer_gpu):
+        wants.append("rollout")
+    if wants and cluster_gpus <= 0:
+        raise GpuPlacementError(
+            f"The {' and '.join(wants)} worker(s) need a GPU (train_worker.device={device}, "
+            f"rollout.backend={config.rollout.backend}), but the Ray cluster offers none. Start the cluster on a "
+            "GPU machine, or use train_worker.device: cpu with rollout.backend: transformers."
+        )
+    share = config.cluster.gpu_share or (1.0 / len(wants) if wants else 0.0)
+    return {role: share for role in wants}
+
+
+def _get_or_create(actor_class, role: str, config: TrellisConfig, *args):
+    options: dict[str, Any] = dict(
+        name=_names(config)[role], namespace=config.ray_namespace, lifetime="detached", get_if_exists=True, max_concurrency=1
+    )
+    gpus = gpu_requests(config, ray.cluster_resources().get("GPU", 0.0)).get(role)
+    if gpus:
+        options["num_gpus"] = gpus
+    if role == "rollout" and config.rollout.runtime_env:
+        options["runtime_env"] = config.rollout.runtime_env
+    return actor_class.options(**options).remote(config, *args)
 
 
 def attach_workers(config: TrellisConfig) -> Workers:
     """Get the run's named actors, creating those that do not exist (or died)."""
-    names = _names(config)
     timeout = config.cluster.ray_get_timeout_s
-    controller = _get_or_create(ControllerActor, names["controller"], config)
+    controller = _get_or_create(ControllerActor, "controller", config)
     info = ray.get(controller.info.remote(), timeout=timeout)
     # The total comes from the config of this flow run: a re-attached run may extend the first one.
     total = resolve_total_steps(config, info["dataset_size"])
     needed = roles(config)
     trainer = rollout = None
     if "trainer" in needed:
-        trainer = _get_or_create(TrainerActor, names["trainer"], config, total, info["pad_token_id"])
+        trainer = _get_or_create(TrainerActor, "trainer", config, total, info["pad_token_id"])
     if "rollout" in needed:
-        rollout = _get_or_create(RolloutActor, names["rollout"], config, config.tokenizer_source)
+        rollout = _get_or_create(RolloutActor, "rollout", config, config.tokenizer_source)
     if trainer is not None and rollout is not None:
         applied, served = ray.get([trainer.applied_step.remote(), rollout.policy_version.remote()], timeout=timeout)
         if applied > 0 and served == 0:  # a rollout worker re-created after a loss takes the trainer's weights
@@ -244,12 +305,11 @@ def rollout_alive(config: TrellisConfig) -> bool:
 
 def restart_rollout(config: TrellisConfig) -> ray.actor.ActorHandle:
     """Replace a dead rollout worker and give it the trainer's current weights."""
-    name = _names(config)["rollout"]
     try:
-        ray.kill(ray.get_actor(name, namespace=config.ray_namespace), no_restart=True)
+        ray.kill(lookup(config, "rollout"), no_restart=True)
     except ValueError:
         pass  # already gone from the registry
-    rollout = _get_or_create(RolloutActor, name, config, config.tokenizer_source)
+    rollout = _get_or_create(RolloutActor, "rollout", config, config.tokenizer_source)
     if "trainer" in roles(config):  # debug_rollout keeps the initial weights
         _load_trainer_weights(config, lookup(config, "trainer"), rollout)
     return rollout
@@ -274,9 +334,38 @@ def restore_checkpoint(config: TrellisConfig, uri: str, *, reattach: bool) -> No
 
 def _load_trainer_weights(config: TrellisConfig, trainer, rollout) -> None:
     """Give a (new) rollout worker the trainer's current weights, versioned by the trainer's step."""
+    step = ray.get(trainer.applied_step.remote(), timeout=config.cluster.ray_get_timeout_s)
+    push_weights(config, trainer, rollout, step)
+
+
+def push_weights(config: TrellisConfig, trainer, rollout, policy_version: int) -> str:
+    """Trainer weights into the rollout worker with no disk round trip: through CUDA IPC when both
+    are on the same GPU, else through Ray's object store. Returns the transport used."""
     timeout = config.cluster.ray_get_timeout_s
-    step = ray.get(trainer.applied_step.remote(), timeout=timeout)
-    ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), step), timeout=timeout)
+    trainer_gpu, rollout_gpu = ray.get([trainer.gpu_identity.remote(), rollout.gpu_identity.remote()], timeout=timeout)
+    if trainer_gpu is None or trainer_gpu != rollout_gpu:
+        ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), policy_version), timeout=timeout)
+        return "object_store"
+    try:
+        ray.get(rollout.load_shared_weights.remote(trainer.share_weights.remote(), policy_version), timeout=timeout)
+    finally:
+        ray.get(trainer.release_shared_weights.remote(), timeout=timeout)
+    return "cuda_ipc"
+
+
+def hand_accelerator_to(config: TrellisConfig, role: str) -> None:
+    """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first. Both
+    calls return at once on CPU, and when the side already holds the accelerator."""
+    if not {"trainer", "rollout"} <= set(roles(config)):
+        return
+    timeout = config.cluster.ray_get_timeout_s
+    giver, taker = ("trainer", "rollout") if role == "rollout" else ("rollout", "trainer")
+    try:
+        ray.get(lookup(config, giver).offload.remote(), timeout=timeout)
+    except (ValueError, RayActorError):
+        if giver != "rollout":
+            raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
+    ray.get(lookup(config, taker).onload.remote(), timeout=timeout)
 
 
 def release_workers(config: TrellisConfig) -> None:

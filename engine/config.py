@@ -65,6 +65,11 @@ class RolloutConfig(_Frozen):
     eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only.")
     sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")
+    runtime_env: dict[str, Any] | None = Field(
+        None,
+        description="Ray runtime_env of the rollout worker, e.g. {env_vars: {PYTHONPATH: '/opt/vllm-site:${PYTHONPATH}'}} "
+        "where vLLM lives outside the cluster's environment.",
+    )
 
 
 class RewardConfig(_Frozen):
@@ -172,6 +177,13 @@ class ClusterConfig(_Frozen):
     num_cpus: int | None = Field(None, gt=0, description="CPUs a local head offers; default: all.")
     namespace: str | None = Field(None, description="Ray namespace of the run's named actors; default trellis-{experiment_name}.")
     ray_get_timeout_s: float = Field(600.0, gt=0.0, description="Bound on every wait for a worker.")
+    gpu_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of a GPU that each GPU worker (trainer, rollout) asks Ray for; default: the run's GPU "
+        "workers split one GPU (colocated, weights synced through CUDA IPC).",
+    )
     torch_threads: int | None = Field(None, gt=0, description="torch threads per worker; default: all cores.")
     release_workers_at_end: bool = Field(
         True, description="Kill the run's actors when the run completes; false keeps them for a later flow run to re-attach."

@@ -60,6 +60,13 @@ def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
     return max(1, dataset_size // config.train_batch_size * config.total_epochs)
 
 
+def rollout_device(config: TrellisConfig) -> torch.device:
+    """vLLM runs on the GPU; the transformers loop on the trainer's device."""
+    if config.rollout.backend == "vllm":
+        return torch.device("cuda")
+    return resolve_device(config.train_worker.device)
+
+
 def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
     """vLLM when configured (GPU only); otherwise the transformers loop on the trainer's device,
     bf16 on GPU, fp32 on CPU."""
@@ -76,7 +83,7 @@ def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
             sleep_level=rollout.sleep_level,
             seed=config.seed,
         )
-    device = resolve_device(config.train_worker.device)
+    device = rollout_device(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return TransformersRollout(config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed)
 

@@ -15,7 +15,6 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
-from ray.exceptions import RayActorError
 
 from engine import actors
 from engine.checkpoint import require_complete, step_name
@@ -88,12 +87,8 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, workers: dict) -> di
 @task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
     _replace_lost_rollout_on_retry(config)
+    actors.hand_accelerator_to(config, "rollout")
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
-    # Colocated hand-over (no-ops on CPU): the trainer gives the accelerator back, the rollout wakes.
-    handover = [rollout.onload.remote()]
-    if "trainer" in actors.roles(config):
-        handover.append(actors.lookup(config, "trainer").offload.remote())
-    _wait(config, handover)
     summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
     return BatchRef(_wait(config, summary_ref), produced_ref)
 
@@ -120,14 +115,8 @@ def prepare_data(config: TrellisConfig, step: int, batch: BatchRef) -> PreparedR
 @task(name="fit", task_run_name="fit[step={step}]", retries=0, **_NOT_STORED)
 def fit(config: TrellisConfig, step: int, prepared: PreparedRef) -> dict[str, float]:
     """Not retried: an update is not idempotent, and the worker refuses a step it already applied."""
-    trainer = actors.lookup(config, "trainer")
-    try:
-        if "rollout" in actors.roles(config):
-            _wait(config, actors.lookup(config, "rollout").offload.remote())
-    except (ValueError, RayActorError):  # a lost rollout worker holds no memory; produce_batch replaces it
-        pass
-    _wait(config, trainer.onload.remote())
-    result = _wait(config, trainer.fit.remote(prepared.prepared, step))
+    actors.hand_accelerator_to(config, "trainer")
+    result = _wait(config, actors.lookup(config, "trainer").fit.remote(prepared.prepared, step))
     return result.metrics
 
 
@@ -168,19 +157,18 @@ def export_hf(config: TrellisConfig, step: int) -> str:
 
 @task(name="sync_weights", task_run_name="sync_weights[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def sync_weights(config: TrellisConfig, step: int) -> int:
-    """Trainer weights reach the rollout worker through the object store, with no disk round trip;
-    then the trainer gives the accelerator back and the rollout worker wakes up."""
+    """Trainer weights reach the rollout worker with no disk round trip (CUDA IPC on a shared GPU,
+    else the object store); the next rollout task wakes the rollout worker's KV cache."""
     _replace_lost_rollout_on_retry(config)
-    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
-    version = _wait(config, rollout.load_weights.remote(trainer.export_weights.remote(), step))
-    _wait(config, trainer.offload.remote())
-    _wait(config, rollout.onload.remote())
-    return version
+    transport = actors.push_weights(config, actors.lookup(config, "trainer"), actors.lookup(config, "rollout"), step)
+    get_run_logger().debug("Weights of step %d synced through %s", step, transport)
+    return step
 
 
 @task(name="evaluate", task_run_name="evaluate[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def evaluate(config: TrellisConfig, step: int) -> tuple[str, dict[str, float]]:
     _replace_lost_rollout_on_retry(config)
+    actors.hand_accelerator_to(config, "rollout")
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
     return _wait(config, controller.evaluate.remote(step, rollout))
 
