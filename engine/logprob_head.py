@@ -71,22 +71,56 @@ def label_logprobs(
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def _logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    return logits / temperature if temperature != 1.0 else logits
+def _chunk_statistics(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """Logprob of each label, entropy and log-normalizer of one chunk's logits, in float32."""
+    logits = logits.float() / temperature
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    logprob = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    probs = torch.exp(logits - log_normalizer.unsqueeze(-1))
+    entropy = log_normalizer - (probs * logits).sum(-1)
+    return logprob, entropy, log_normalizer
+
+
+def _chunk_softmax_grads(logits: torch.Tensor, log_normalizer, grad_logprob, temperature: float) -> torch.Tensor:
+    """The softmax part of d loss / d logits, -grad * softmax / temperature, in the logits' dtype.
+    The one-hot part (+grad / temperature at each label) never becomes a [chunk, vocab] tensor: the
+    backward pass adds it to the matmul results as gathered rows."""
+    probs = torch.exp(logits.float() / temperature - log_normalizer.unsqueeze(-1))
+    return (probs * (-grad_logprob / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
+class _OnCudaCompiled:
+    """``fn`` compiled on CUDA tensors, eager elsewhere. Compiled, the chunk's float32 intermediates
+    (softmax, products) stay in registers: the 152k-wide logits are read a couple of times instead of
+    being copied to float32 and rewritten several times, which took ~30% of a 0.5B model's training
+    step on an H200."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+        self._compiled = None
+
+    def __call__(self, logits: torch.Tensor, *args):
+        if not logits.is_cuda:
+            return self._fn(logits, *args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._fn, dynamic=True)
+        return self._compiled(logits, *args)
+
+
+_statistics = _OnCudaCompiled(_chunk_statistics)
+_softmax_grads = _OnCudaCompiled(_chunk_softmax_grads)
 
 
 class _ChunkLogprobs(torch.autograd.Function):
     """One chunk through the output layer. Only the log-normalizer is kept for the backward pass,
-    which recomputes the logits and forms d logprob / d logits = onehot(label) - softmax itself."""
+    which recomputes the logits and forms d logprob / d logits = onehot(label) - softmax itself
+    (the one-hot part as gathered rows of the weight and scattered rows of the hidden states)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden, weight, bias, labels, temperature: float):
-        logits = _logits(hidden, weight, bias, temperature)
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        logprob = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_normalizer
-        entropy = log_normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        logits = F.linear(hidden, weight, bias)  # the compute dtype: bf16 on GPU, float32 on CPU
+        logprob, entropy, log_normalizer = _statistics(logits, labels, temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -96,16 +130,20 @@ class _ChunkLogprobs(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logprob, _grad_entropy):
         hidden, weight, bias, labels, log_normalizer = ctx.saved_tensors
+        logits = F.linear(hidden, weight, bias)
         grad_logprob = grad_logprob.float()
-        logits = _logits(hidden, weight, bias, ctx.temperature)
-        grad_logits = torch.exp(logits.sub_(log_normalizer.unsqueeze(-1))).mul_(-grad_logprob.unsqueeze(-1))
-        grad_logits.scatter_add_(-1, labels.unsqueeze(-1), grad_logprob.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad_logits.div_(ctx.temperature)
-        grad_logits = grad_logits.to(hidden.dtype if not torch.is_autocast_enabled("cuda") else torch.get_autocast_dtype("cuda"))
-        grad_hidden = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad_logits.t() @ hidden.to(grad_logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad_logits.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_logits = _softmax_grads(logits, log_normalizer, grad_logprob, ctx.temperature)
+        label_scale = (grad_logprob / ctx.temperature).unsqueeze(-1)  # the one-hot part, per label
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_logits @ weight.to(grad_logits.dtype)).float()
+            grad_hidden += weight.index_select(0, labels).float() * label_scale
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_logits.t() @ hidden.to(grad_logits.dtype)).to(weight.dtype)
+            grad_weight.index_add_(0, labels, (hidden.float() * label_scale).to(weight.dtype))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_logits.float().sum(0).index_add_(0, labels, label_scale.squeeze(-1)).to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None
 
 

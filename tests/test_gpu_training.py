@@ -56,3 +56,30 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
         metrics[name] = worker.fit(PreparedBatch(_sequences(worker.model.config.vocab_size)), 1).metrics
     for key in ("pg_loss", "entropy", "mismatch/train_ppl"):
         assert metrics["tested"][key] == pytest.approx(metrics["padded"][key], rel=2e-2), key
+
+
+def test_compiled_head_equals_full_logits_autograd():
+    """The chunked head (compiled on CUDA, bf16 under autocast, T=0.7, uneven last chunk) against
+    log_softmax of the same bf16 logits with autograd: logprobs, entropies and both gradients."""
+    from engine.logprob_head import label_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 5000, bias=False).cuda()
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 5000, (300,), device="cuda")
+    weights = torch.randn(300, device="cuda")
+    results = []
+    for chunked in (True, False):
+        hidden.grad = head.weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if chunked:
+                logprob, entropy = label_logprobs(hidden, head, labels, temperature=0.7, chunk_tokens=128)
+            else:
+                logp = torch.log_softmax(head(hidden).float() / 0.7, dim=-1)
+                logprob = logp.gather(-1, labels[:, None]).squeeze(-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+        (logprob * weights).sum().backward()
+        results.append((logprob.detach(), entropy.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+    for got, expected, name in zip(results[0], results[1], ("logprob", "entropy", "hidden grad", "weight grad")):
+        scale = expected.abs().max().item()
+        assert (got.float() - expected.float()).abs().max().item() <= 2e-2 * scale + 1e-3, name
