@@ -40,13 +40,13 @@ WARMUP_STEPS = 3
 PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
 
 
-def start_head() -> tuple[subprocess.Popen, str]:
+def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray = str(Path(sys.executable).with_name("ray"))
     head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--disable-usage-stats", *extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     while subprocess.run([ray, "status", f"--address={address}"], capture_output=True).returncode != 0:
         time.sleep(0.5)

@@ -41,6 +41,28 @@ def random_qwen2_05b(tokenizer, out: Path) -> Path:
     return out
 
 
+def step_config(work: Path, args: argparse.Namespace, **changes):
+    """The measured step: the random model, ``args.prompts`` x ``args.group`` samples, 8k packs."""
+    model_dir = work / "qwen2-05b-random"
+    if not (model_dir / "config.json").exists():
+        random_qwen2_05b(build_tokenizer(), model_dir)
+    data = work / "train.parquet"
+    if not data.exists():
+        write_dataset(data, 2048, seed=0)
+    rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": 0.4}
+    settings = dict(
+        load_from=str(model_dir),
+        train_dataset={"path": str(data)},
+        total_train_steps=args.steps,
+        train_batch_size=args.prompts,
+        prompt_repeat_k=args.group,
+        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer},
+        work_dir=str(work / "runs"),
+        exp_tracker="jsonl",
+    )
+    return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -50,24 +72,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
+    parser.add_argument("--track", action="store_true", help="write trajectories and metrics, as the flow does")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
-    model_dir = random_qwen2_05b(build_tokenizer(), work / "qwen2-05b-random")
-    data = write_dataset(work / "train.parquet", 2048, seed=0)
-    config = load_config(
-        None,
-        load_from=str(model_dir),
-        train_dataset={"path": str(data)},
-        total_train_steps=args.steps,
-        train_batch_size=args.prompts,
-        prompt_repeat_k=args.group,
-        rollout={"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": 0.4},
-        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer},
-        work_dir=str(work / "runs"),
-    )
+    config = step_config(work, args)
     reports = []
-    with LocalRun(config, track=False) as run:
+    with LocalRun(config, track=args.track) as run:
         for _ in range(args.steps):
             reports.append(run.train_step().metrics)
             print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
