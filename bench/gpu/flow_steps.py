@@ -49,8 +49,11 @@ def in_process_steps(args: argparse.Namespace) -> dict:
                "--new-tokens", str(args.new_tokens), "--backend", args.backend]
     if args.resident_trainer:
         command.append("--resident-trainer")
+    env = dict(os.environ)
+    if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
+        env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
     with open(args.out / "engine_steps.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
     suffix = "_resident" if args.resident_trainer else ""
     return json.loads((args.out / f"engine_steps_{args.backend}{suffix}.json").read_text())
 
