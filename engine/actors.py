@@ -356,16 +356,18 @@ def push_weights(config: TrellisConfig, trainer, rollout, policy_version: int) -
 def hand_accelerator_to(config: TrellisConfig, role: str) -> None:
     """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first. Both
     calls return at once on CPU, and when the side already holds the accelerator."""
-    if not {"trainer", "rollout"} <= set(roles(config)):
+    present = roles(config)
+    if role not in present:
         return
     timeout = config.cluster.ray_get_timeout_s
-    giver, taker = ("trainer", "rollout") if role == "rollout" else ("rollout", "trainer")
-    try:
-        ray.get(lookup(config, giver).offload.remote(), timeout=timeout)
-    except (ValueError, RayActorError):
-        if giver != "rollout":
-            raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
-    ray.get(lookup(config, taker).onload.remote(), timeout=timeout)
+    giver = "trainer" if role == "rollout" else "rollout"
+    if giver in present:  # debug modes run one side only
+        try:
+            ray.get(lookup(config, giver).offload.remote(), timeout=timeout)
+        except (ValueError, RayActorError):
+            if giver != "rollout":
+                raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
+    ray.get(lookup(config, role).onload.remote(), timeout=timeout)
 
 
 def release_workers(config: TrellisConfig) -> None:
