@@ -3,7 +3,9 @@
 Every actor is named inside the run's namespace and created with ``get_if_exists``, so a retried or
 resumed flow run re-attaches to live workers instead of rebuilding them. Actors reserve no CPU
 (``num_cpus=0``): they mostly wait on each other, and on a 2-core head reserved CPUs would starve
-the work; torch's thread count is set explicitly instead.
+the work; torch's thread count is set explicitly instead. On a cluster with GPUs the trainer and
+rollout actors ask for a share of one (``gpu_requests``), and weights move between them through
+CUDA IPC when they share a card (``push_weights``).
 """
 
 from __future__ import annotations
