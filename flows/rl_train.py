@@ -15,7 +15,6 @@ from typing import Iterator
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.utilities.annotations import quote
 
 from engine.config import TrellisConfig
 from engine.resume import meter_from, record_owner, started_by
@@ -49,40 +48,38 @@ def phase(name: str, timings: dict[str, float]) -> Iterator[None]:
 def rl_step(
     config: TrellisConfig, step: int, clock: dict[str, float], total_steps: int
 ) -> tuple[dict[str, float], dict[str, float]]:
-    # Tasks take the config as is: left bare, Prefect walks every field of it on every task call.
-    run = quote(config)
     timings: dict[str, float] = {"fit": 0.0}
     started = time.perf_counter()
     links: dict[str, str] = {}
     with phase("produce_batch", timings):
-        batch = load_batch(run, step) if config.debug_train else produce_batch(run, step)
-    trajectories = None if config.debug_train else write_trajectories.submit(run, step, batch)  # beside prepare and fit
+        batch = load_batch(config, step) if config.debug_train else produce_batch(config, step)
+    trajectories = None if config.debug_train else write_trajectories.submit(config, step, batch)  # beside prepare and fit
     with phase("prepare_data", timings):
-        prepared = prepare_data(run, step, batch)
+        prepared = prepare_data(config, step, batch)
     fit_metrics: dict[str, float] = {}
     if not config.debug_rollout:
         with phase("fit", timings):
-            fit_metrics = fit(run, step, prepared)
+            fit_metrics = fit(config, step, prepared)
     checkpoint_due = config.checkpoint_due(step, total_steps)
     if checkpoint_due:
         with phase("save_checkpoint", timings):
-            save_checkpoint(run, step)
+            save_checkpoint(config, step)
     if config.hf_due(step, total_steps):
         with phase("save_hf", timings):
-            links["hf"] = export_hf(run, step)
+            links["hf"] = export_hf(config, step)
     synced = step % config.sync_weights_interval == 0 and not (config.debug_rollout or config.debug_train)
     if synced:
         with phase("sync_weights", timings):
-            sync_weights(run, step)
+            sync_weights(config, step)
     eval_metrics: dict[str, float] = {}
     if trajectories is not None:
         links["trajectories"] = trajectories.result()
     if synced and config.enable_evaluate and step % config.evaluate_step == 0:
         with phase("evaluate", timings):
-            links["eval-trajectories"], eval_metrics = evaluate(run, step)
+            links["eval-trajectories"], eval_metrics = evaluate(config, step)
     timings["step"] = time.perf_counter() - started
     metrics, clock = log_step(
-        run,
+        config,
         step,
         timings=timings,
         produce=batch.summary,
@@ -93,7 +90,7 @@ def rl_step(
         links=links,
     )
     if checkpoint_due:  # sealed last: a complete checkpoint promises its step is fully recorded
-        commit_checkpoint(run, step, clock)
+        commit_checkpoint(config, step, clock)
     return metrics, clock
 
 
