@@ -8,6 +8,7 @@ The sender keeps the buffers alive until the receiver is done with them (``Weigh
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -32,10 +33,7 @@ class Bucket:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for spec in self.specs:
-            numel = 1
-            for size in spec.shape:
-                numel *= size
-            yield spec.name, self.flat[spec.offset : spec.offset + numel].view(spec.shape)
+            yield spec.name, self.flat[spec.offset : spec.offset + math.prod(spec.shape)].view(spec.shape)
 
 
 def flatten(
