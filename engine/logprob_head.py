@@ -92,8 +92,9 @@ def _chunk_softmax_grads(logits: torch.Tensor, log_normalizer, grad_logprob, tem
 class _OnCudaCompiled:
     """``fn`` compiled on CUDA tensors, eager elsewhere. Compiled, the chunk's float32 intermediates
     (softmax, products) stay in registers: the 152k-wide logits are read a couple of times instead of
-    being copied to float32 and rewritten several times, which took ~30% of a 0.5B model's training
-    step on an H200."""
+    being copied to float32 and rewritten several times. On an H200 this cut the head's elementwise
+    GPU time per 64k-token step of a 0.5B model from ~250 ms to ~60 ms; the step's wall time did not
+    change, as it waits on kernel launches there."""
 
     def __init__(self, fn) -> None:
         self._fn = fn
