@@ -63,15 +63,31 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: str) -> None:
+    """The options that define the measured step; flow_steps.py takes them too and passes them on."""
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
+
+
+def step_argv(args: argparse.Namespace) -> list[str]:
+    """``add_step_arguments``' values back as command-line words, to run this script with them."""
+    argv = [str(args.out), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
+            "--new-tokens", str(args.new_tokens), "--backend", args.backend]
+    return argv + (["--resident-trainer"] if args.resident_trainer else [])
+
+
+def result_path(args: argparse.Namespace) -> Path:
+    return args.out / f"engine_steps_{args.backend}{'_resident' if args.resident_trainer else ''}.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_step_arguments(parser, steps=3, backend="transformers")
     parser.add_argument("--track", action="store_true", help="write trajectories and metrics, as the flow does")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -100,8 +116,7 @@ def main() -> None:
     )
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
     summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
-    suffix = "_resident" if args.resident_trainer else ""
-    (args.out / f"engine_steps_{args.backend}{suffix}.json").write_text(json.dumps(summary, indent=1))
+    result_path(args).write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
 
 

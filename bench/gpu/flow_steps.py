@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trel
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from engine_steps import step_config  # noqa: E402
+from engine_steps import add_step_arguments, result_path, step_argv, step_config  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from trellis_flow_step import PHASES, start_head, step_starts  # noqa: E402
 
@@ -44,18 +44,13 @@ WORK = Path("/tmp/trellis-gpu")
 
 
 def in_process_steps(args: argparse.Namespace) -> dict:
-    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), str(args.out), "--track",
-               "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-               "--new-tokens", str(args.new_tokens), "--backend", args.backend]
-    if args.resident_trainer:
-        command.append("--resident-trainer")
+    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(args), "--track"]
     env = dict(os.environ)
     if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
         env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
     with open(args.out / "engine_steps.log", "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    suffix = "_resident" if args.resident_trainer else ""
-    return json.loads((args.out / f"engine_steps_{args.backend}{suffix}.json").read_text())
+    return json.loads(result_path(args).read_text())
 
 
 def timed_sync(config, repeats: int = 3) -> dict:
@@ -110,13 +105,7 @@ def flow_steps(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--backend", choices=("transformers", "vllm"), default="vllm")
-    parser.add_argument("--resident-trainer", action="store_true")
+    add_step_arguments(parser, steps=6, backend="vllm")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     local = in_process_steps(args)
