@@ -61,7 +61,6 @@ class MicroBatch(LabelRows):
         return hidden_NLH.flatten(0, 1).index_select(0, self.label_index_K)
 
 
-
 def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
     """Row-major positions of the trained labels, computed once on CPU so the GPU loop needs no sync."""
     return (labels_NL.flatten() != IGNORE).nonzero().squeeze(1)
@@ -134,7 +133,6 @@ class PackedBatch(LabelRows):
         # Sequences follow each other in the row, so the packed order of labelled positions is the
         # row-major order of the [N, L] labels.
         return hidden_1TH[0].index_select(0, self.label_positions_K)
-
 
 
 def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> PackedBatch:

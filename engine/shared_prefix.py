@@ -62,7 +62,6 @@ class SharedPrefixBatch(LabelRows):
         return torch.cat([first_N1H, response_hidden_NRH], dim=1).flatten(0, 1).index_select(0, self.label_index_K)
 
 
-
 def can_share(sequences: list[TrainSequence]) -> bool:
     return all(seq.prompt_length > 0 for seq in sequences)
 
