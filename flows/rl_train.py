@@ -15,6 +15,7 @@ from typing import Iterator
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from engine.config import TrellisConfig
 from engine.resume import meter_from, record_owner, started_by
@@ -124,8 +125,11 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
         log_evaluation(config, 0, metrics, link)
     clock = meter_from(start["train_state"]).clock()
     metrics: dict[str, float] = {}
-    for step in range(first, last + 1):
-        metrics, clock = rl_step(config, step, clock, last)
+    # Step flow runs send no heartbeats: this run's own heartbeat covers them, and each one's heartbeat
+    # thread is joined at the step's end, up to a second per step.
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        for step in range(first, last + 1):
+            metrics, clock = rl_step(config, step, clock, last)
     close_trackers(config)
     if config.cluster.release_workers_at_end:
         release_workers(config)
