@@ -191,6 +191,12 @@ class ClusterConfig(_Frozen):
     flow_retries: int = Field(
         1, ge=0, description="Prefect retries of a failed rl_train flow run; each retry resumes from the last checkpoint."
     )
+    overlap_next_rollout: bool = Field(
+        True,
+        description="Launch the next step's rollout as soon as this step's weights are synced (and evaluated), so "
+        "that the step's records and the next flow run's start overlap generation; same prompts and weights. False: "
+        "each step starts after the previous one is fully recorded.",
+    )
 
 
 class LoadCheckpointConfig(_Frozen):

@@ -2,9 +2,13 @@
 resuming, and runs one ``rl_step`` flow run per training step, in the order of XTuner's colocated
 trainer. No math here.
 
-One change of order from the reference: the checkpoint's files are written where the reference
-saves (after ``fit``), but it is sealed after ``log_step``, so that a complete checkpoint always
-means its step's trajectories, metrics and evaluation are recorded too.
+Two changes of order from the reference:
+- the checkpoint's files are written where the reference saves (after ``fit``), but it is sealed
+  after ``log_step``, so that a complete checkpoint always means its step's trajectories, metrics
+  and evaluation are recorded too;
+- the next step's rollout is launched (``start_rollout``) once the step's weights are synced and
+  evaluated, before its records are written: the Prefect API calls that end one step flow run and
+  start the next then overlap generation instead of leaving the workers idle.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from tasks.step_tasks import (
     evaluate,
     export_hf,
     fit,
+    forget_launched_rollouts,
     load_batch,
     prepare_data,
     produce_batch,
     release_workers,
     restore_checkpoint,
     save_checkpoint,
+    start_rollout,
     sync_weights,
     write_trajectories,
 )
@@ -50,10 +56,11 @@ def rl_step(
     config: TrellisConfig, step: int, clock: dict[str, float], total_steps: int
 ) -> tuple[dict[str, float], dict[str, float]]:
     timings: dict[str, float] = {"fit": 0.0}
-    started = time.perf_counter()
+    started_s = time.time()
     links: dict[str, str] = {}
     with phase("produce_batch", timings):
         batch = load_batch(config, step) if config.debug_train else produce_batch(config, step)
+    started_s = min(started_s, batch.launched_s)  # the step began with its rollout, perhaps in the previous flow run
     trajectories = None if config.debug_train else write_trajectories.submit(config, step, batch)  # beside prepare and fit
     with phase("prepare_data", timings):
         prepared = prepare_data(config, step, batch)
@@ -78,7 +85,9 @@ def rl_step(
     if synced and config.enable_evaluate and step % config.evaluate_step == 0:
         with phase("evaluate", timings):
             links["eval-trajectories"], eval_metrics = evaluate(config, step)
-    timings["step"] = time.perf_counter() - started
+    timings["step"] = time.time() - started_s
+    if config.cluster.overlap_next_rollout and step < total_steps and not config.debug_train:
+        start_rollout(config, step + 1)
     metrics, clock = log_step(
         config,
         step,
@@ -125,6 +134,7 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
         log_evaluation(config, 0, metrics, link)
     clock = meter_from(start["train_state"]).clock()
     metrics: dict[str, float] = {}
+    forget_launched_rollouts(config)
     # Step flow runs send no heartbeats: this run's own heartbeat covers them, and each one's heartbeat
     # thread is joined at the step's end, up to a second per step.
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):

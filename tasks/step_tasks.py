@@ -8,6 +8,8 @@ an ``ObjectRef`` and a few numbers, never tensors, to Prefect.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import ray
@@ -30,10 +32,12 @@ _NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @dataclass
 class BatchRef:
-    """A produced batch: small numbers for Prefect, the samples in Ray's object store."""
+    """A produced batch: small numbers for Prefect, the samples in Ray's object store, and the wall
+    time its rollout was launched (before its step's flow run when ``start_rollout`` launched it)."""
 
     summary: dict[str, float]
     produced: ray.ObjectRef
+    launched_s: float = math.inf
 
 
 @dataclass
@@ -84,13 +88,41 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, workers: dict) -> di
     return {"action": plan.action, "step": plan.step, "checkpoint": plan.checkpoint, "train_state": state}
 
 
-@task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
-def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
-    _replace_lost_rollout_on_retry(config)
+# Rollouts launched ahead by ``start_rollout``, by (run, step): (launch wall time, summary, samples).
+_launched: dict[tuple[str, int], tuple[float, ray.ObjectRef, ray.ObjectRef]] = {}
+
+
+def _launch_rollout(config: TrellisConfig, step: int) -> tuple[float, ray.ObjectRef, ray.ObjectRef]:
     actors.hand_accelerator_to(config, "rollout")
     controller, rollout = actors.lookup(config, "controller"), actors.lookup(config, "rollout")
+    launched_s = time.time()
     summary_ref, produced_ref = controller.produce_batch.remote(step, rollout)
-    return BatchRef(_wait(config, summary_ref), produced_ref)
+    return launched_s, summary_ref, produced_ref
+
+
+def forget_launched_rollouts(config: TrellisConfig) -> None:
+    """A new attempt at a run starts afresh: a rollout launched by a failed attempt may predate a restore."""
+    for key in [key for key in _launched if key[0] == config.run_uri]:
+        del _launched[key]
+
+
+@task(name="start_rollout", task_run_name="start_rollout[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def start_rollout(config: TrellisConfig, step: int) -> None:
+    """Launch ``step``'s rollout and return without waiting: the previous step's records and the next
+    flow run's start then overlap generation. Same prompts and weights as a rollout launched by
+    ``produce_batch[step]``, which collects it."""
+    _replace_lost_rollout_on_retry(config)
+    _launched[(config.run_uri, step)] = _launch_rollout(config, step)
+
+
+@task(name="produce_batch", task_run_name="produce_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
+def produce_batch(config: TrellisConfig, step: int) -> BatchRef:
+    launched = _launched.pop((config.run_uri, step), None)
+    if launched is None:  # not launched ahead, or this is a retry after the launched one failed
+        _replace_lost_rollout_on_retry(config)
+        launched = _launch_rollout(config, step)
+    launched_s, summary_ref, produced_ref = launched
+    return BatchRef(_wait(config, summary_ref), produced_ref, launched_s)
 
 
 @task(name="load_batch", task_run_name="load_batch[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)

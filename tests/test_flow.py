@@ -88,6 +88,38 @@ def await_(coroutine):
     return asyncio.run(coroutine)
 
 
+def test_launching_each_rollout_early_changes_no_sample_and_no_metric(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """The same seeded run with each step's rollout launched at the end of the previous step (the
+    default) and launched by the step itself: identical trajectories, evaluations and metrics."""
+    from helpers import lake_rows, logged_metrics
+
+    def run(name, overlap):
+        config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name=name, sync_weights_interval=1,
+                             evaluate_step=2, deterministic=True,
+                             cluster={"address": ray_cluster["address"], "overlap_next_rollout": overlap})
+        rl_train(config)
+        return config
+
+    early, in_step = run("early", True), run("in_step", False)
+    assert lake_rows(early) == lake_rows(in_step) and len(lake_rows(early)) == 3 * 128
+    assert lake_rows(early, "eval") == lake_rows(in_step, "eval")
+    assert logged_metrics(early) == logged_metrics(in_step)
+    launched = sorted(name for name in await_(step_task_names("rl_train[early]")) if name.startswith("start_rollout"))
+    assert launched == ["start_rollout[step=2]", "start_rollout[step=3]"]  # never past the run's end
+    assert not [name for name in await_(step_task_names("rl_train[in_step]")) if name.startswith("start_rollout")]
+
+
+async def step_task_names(run_name: str) -> list[str]:
+    """Names of the task runs inside the step flow runs of one rl_train flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+
+    async with get_client() as client:
+        (run,) = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [run_name]}))
+        steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [run.id]}))
+        tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [s.id for s in steps]}))
+    return [task.name for task in tasks]
+
+
 def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     keep = {"address": ray_cluster["address"], "release_workers_at_end": False}
     first = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="reattach", total_train_steps=2,
@@ -112,7 +144,7 @@ def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_da
 
 
 def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
-    """While step 1 is scored, the rollout worker is SIGKILLed. Step 2's produce_batch fails on it,
+    """While step 1 is scored, the rollout worker is SIGKILLed. Launching step 2's rollout fails on it,
     Prefect retries the task, the retry restarts the worker with the trainer's current weights, and
     the run ends with every sample of every step in the lake exactly once."""
     from engine.actors import attach_workers, lookup
@@ -126,7 +158,7 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
     rl_train(config)
 
     retried = [run for run in await_(task_runs_named("")) if run.run_count > 1]
-    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("produce_batch[step=2]", 2, "Completed")]
+    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("start_rollout[step=2]", 2, "Completed")]
     assert not kill_file.exists()
     rows = read_lake(config).to_pylist()
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
