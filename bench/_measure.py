@@ -35,3 +35,25 @@ class StepClock:
     def dump(self, path: str, **extra) -> None:
         with open(path, "w") as handle:
             json.dump({"wall": self.wall, "cpu": self.cpu, "peak_rss_gb": self._process.memory_info().rss / 2**30, **extra}, handle)
+
+
+def busy_spans(timeline: list[dict], classes: tuple[str, ...]) -> list[tuple[float, float]]:
+    """(start, end) wall seconds of every method call the named actor classes ran, from ``ray.timeline()``."""
+    spans = []
+    for event in timeline:
+        category = str(event.get("cat", ""))
+        if event.get("ph") == "X" and category.startswith("task::") and category[6:].split(".")[0] in classes:
+            start = float(event["ts"]) / 1e6
+            spans.append((start, start + float(event["dur"]) / 1e6))
+    return spans
+
+
+def idle_seconds(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Time in [start, end) when none of the spans ran: the workers waited on the orchestrator."""
+    covered, reached = 0.0, start
+    for span_start, span_end in sorted(spans):
+        span_start, span_end = max(span_start, reached), min(span_end, end)
+        if span_end > span_start:
+            covered += span_end - span_start
+            reached = span_end
+    return (end - start) - covered

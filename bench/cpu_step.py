@@ -58,7 +58,7 @@ def main() -> None:
         print(f"{name:12s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
               f"RSS {max(r['rss']):.2f} GB (driver process)   steps timed {len(r['wall'])}")
     overhead = statistics.median(results["trellis-flow"]["overhead"])
-    print(f"orchestration overhead (step interval - phase times) {overhead:.3f} s/step")
+    print(f"orchestration overhead (workers idle, from Ray's timeline) {overhead:.3f} s/step")
     print(f"flow_vs_trl {medians['trellis-flow'] / medians['trl']:.3f}")
     print(f"flow_vs_engine {medians['trellis-flow'] / medians['trellis']:.3f}")
     print(f"ratio_vs_trl {medians['trellis'] / medians['trl']:.3f}")

@@ -4,7 +4,8 @@ Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON
 A first flow run of 3 steps warms the workers up and keeps them; a second flow run re-attaches and
 runs STEPS more, which are the ones measured: wall seconds between consecutive `rl_step` flow-run
 starts (everything the user waits for), CPU seconds of the whole process tree (Prefect's server and
-Ray's processes included), and the orchestration overhead (step interval minus its phase times).
+Ray's processes included), and the orchestration overhead: the part of each step interval in which
+no worker ran a method (Ray's timeline), i.e. the workers waited on Prefect and the driver.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 import ray  # noqa: E402
-from _measure import StepClock  # noqa: E402
+from _measure import StepClock, busy_spans, idle_seconds  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
@@ -38,6 +39,7 @@ from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
 PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
+WORKER_CLASSES = ("TrainerActor", "RolloutActor", "ControllerActor")
 
 
 def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
@@ -84,7 +86,8 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
             records = {r["step"]: r for r in map(json.loads, (Path(tmp) / "bench" / "logs" / "metrics.jsonl").read_text().splitlines())}
             measured = range(WARMUP_STEPS + 1, WARMUP_STEPS + steps)  # the last step has no successor start
             wall = [starts[s + 1] - starts[s] for s in measured]
-            overhead = [starts[s + 1] - starts[s] - sum(records[s].get(p, 0.0) for p in PHASES) for s in measured]
+            spans = busy_spans(ray.timeline(), WORKER_CLASSES)
+            overhead = [idle_seconds(spans, starts[s], starts[s + 1]) for s in measured]
             phases = [{p: records[s].get(p, 0.0) for p in PHASES} for s in measured]
         clock.wall = wall
         clock.cpu = [clock.cpu[0] / steps] * len(wall)

@@ -5,14 +5,17 @@ Same machine, same config, one after the other:
 1. ``engine_steps.py --track`` in a child process (so its GPU memory is freed at exit): the steps in
    one process with no Prefect or Ray, writing trajectories and metrics as the flow does;
 2. ``rl_train`` on a fresh local Ray head. The trainer and rollout actors split the GPU and weights
-   move between them through CUDA IPC. A first flow run warms the workers up and keeps them; a
-   second one re-attaches and runs the measured steps, timed between consecutive ``rl_step``
-   flow-run starts (everything a user waits for).
+   move between them through CUDA IPC. A first flow run warms the workers up and keeps them; then
+   flow runs of ``--steps`` steps each re-attach to them, alternately with each step's rollout
+   launched at the end of the previous step (``cluster.overlap_next_rollout``, the default) and by
+   the step itself, ``--rounds`` times each. Steps are timed between consecutive ``rl_step`` flow-run
+   starts (everything a user waits for).
 
-Overhead = 1 - in-process step / flow step. Also reported: the flow step minus its phase times, and
-a weight sync between the live actors timed on its own.
+Orchestration overhead = the part of each step in which no worker ran a method (from Ray's
+timeline): the GPU workers waited on Prefect and the driver. Also reported: 1 - in-process step /
+flow step, and a weight sync between the live actors timed on its own.
 
-    python bench/gpu/flow_steps.py OUT_DIR [--steps 6] [--backend vllm] [--resident-trainer]
+    python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer]
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from engine_steps import add_step_arguments, result_path, step_argv, step_config  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
-from trellis_flow_step import PHASES, start_head, step_starts  # noqa: E402
+from _measure import busy_spans, idle_seconds  # noqa: E402
+from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
 
 from engine import actors  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
@@ -76,27 +80,38 @@ def flow_steps(args: argparse.Namespace) -> dict:
                 cluster={"address": address, "release_workers_at_end": False, "torch_threads": 4},
             )
             rl_train(config)
-            since_s = time.time()
-            rl_train(config.model_copy(update={"total_train_steps": WARMUP_STEPS + args.steps}))
+            since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
+            for overlap in (True, False) * args.rounds:
+                total += args.steps
+                cluster = config.cluster.model_copy(update={"overlap_next_rollout": overlap})
+                rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
+                measured[overlap] += range(total - args.steps + 1, total)  # a run's last step has no successor start
             starts = asyncio.run(step_starts(since_s))
+            spans = busy_spans(ray.timeline(), WORKER_CLASSES)
             lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
             records = {r["step"]: r for r in map(json.loads, lines)}
-            measured = range(WARMUP_STEPS + 1, WARMUP_STEPS + args.steps)  # the last step has no successor start
-            wall = [starts[s + 1] - starts[s] for s in measured]
-            unaccounted = [starts[s + 1] - starts[s] - sum(records[s].get(p, 0.0) for p in PHASES) for s in measured]
             sync = timed_sync(config)
             actors.release_workers(config)
-            return {
-                "gpus_in_cluster": gpus,
+        modes = {}
+        for overlap, steps in measured.items():
+            wall = [starts[s + 1] - starts[s] for s in steps]
+            idle = [idle_seconds(spans, starts[s], starts[s + 1]) for s in steps]
+            modes["overlap" if overlap else "in_step"] = {
                 "step_s": statistics.median(wall),
                 "steps_s": wall,
-                "flow_step_minus_phases_s": statistics.median(unaccounted),
-                "phase_median_s": {p: statistics.median(records[s].get(p, 0.0) for s in measured) for p in PHASES},
-                "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in measured)
-                if "mismatch/k3_kl" in records[WARMUP_STEPS + 1] else None,
-                "weight_sync_between_actors": sync,
-                "steps": [records[s] for s in measured],
+                "workers_idle_s": statistics.median(idle),
+                "workers_idle_fraction": sum(idle) / sum(wall),
+                "phase_median_s": {p: statistics.median(records[s].get(p, 0.0) for s in steps) for p in PHASES},
             }
+        every = measured[True] + measured[False]
+        return {
+            "gpus_in_cluster": gpus,
+            "modes": modes,
+            "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in every)
+            if "mismatch/k3_kl" in records[every[0]] else None,
+            "weight_sync_between_actors": sync,
+            "steps": [records[s] for s in sorted(every)],
+        }
     finally:
         ray.shutdown()
         head.terminate()
@@ -105,19 +120,22 @@ def flow_steps(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    add_step_arguments(parser, steps=6, backend="vllm")
+    add_step_arguments(parser, steps=5, backend="vllm")
+    parser.add_argument("--rounds", type=int, default=2, help="flow runs of each kind, alternated")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     local = in_process_steps(args)
     flow = flow_steps(args)
+    default = flow["modes"]["overlap"]
     summary = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "backend": args.backend,
         "resident_trainer": args.resident_trainer,
         "samples_per_step": args.prompts * args.group,
         "in_process_step_s": local["step_s"],
-        "flow_step_s": flow["step_s"],
-        "orchestration_overhead": 1.0 - local["step_s"] / flow["step_s"],
+        "flow_step_s": default["step_s"],
+        "orchestration_overhead": default["workers_idle_fraction"],
+        "flow_vs_in_process": 1.0 - local["step_s"] / default["step_s"],
         "in_process_phase_median_s": local["phase_median_s"],
         **{k: v for k, v in flow.items() if k != "steps"},
     }
