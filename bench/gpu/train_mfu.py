@@ -137,13 +137,18 @@ def profile(step, path: Path) -> None:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         step()
         torch.cuda.synchronize()
+        wall_s = time.perf_counter() - started
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
-    kernels = sum(e.count for e in events if e.self_device_time_total > 0)
-    table = events.table(sort_by="self_device_time_total", row_limit=30)
-    path.write_text(f"gpu busy {gpu_us / 1e3:.1f} ms over {kernels} device ops\n{table}")
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not the ops that launched them
+    gpu_us = sum(e.self_device_time_total for e in on_gpu)
+    kernels = sum(e.count for e in on_gpu)
+    by_gpu = events.table(sort_by="self_device_time_total", row_limit=30)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=30)
+    path.write_text(f"gpu busy {gpu_us / 1e3:.1f} ms of a {wall_s * 1e3:.0f} ms step (profiled), {kernels} kernels\n"
+                    f"{by_gpu}\nBy host time:\n{by_cpu}")
 
 
 def main() -> None:
