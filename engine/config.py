@@ -191,12 +191,16 @@ class ClusterConfig(_Frozen):
     flow_retries: int = Field(
         1, ge=0, description="Prefect retries of a failed rl_train flow run; each retry resumes from the last checkpoint."
     )
-    overlap_next_rollout: bool = Field(
-        True,
+    overlap_next_rollout: bool | None = Field(
+        None,
         description="Launch the next step's rollout as soon as this step's weights are synced (and evaluated), so "
         "that the step's records and the next flow run's start overlap generation; same prompts and weights. False: "
-        "each step starts after the previous one is fully recorded.",
+        "each step starts after the previous one is fully recorded. Default: on when the rollout worker generates "
+        "on a GPU, off on CPU, where the records' work would compete with generation for the cores.",
     )
+
+    def overlaps_next_rollout(self, rollout_on_gpu: bool) -> bool:
+        return rollout_on_gpu if self.overlap_next_rollout is None else self.overlap_next_rollout
 
 
 class LoadCheckpointConfig(_Frozen):

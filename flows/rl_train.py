@@ -120,6 +120,8 @@ def rl_train(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     resume = resume or (flow_run.get_run_count() > 1 and started_by(config, str(flow_run.get_id())))
     workers = attach_workers(config)
     logger.info("Workers on %s; train prompts: %s", workers["address"], workers["train_report"])
+    overlap = config.cluster.overlaps_next_rollout(bool(workers["rollout_on_gpu"]))  # the steps see the decision
+    config = config.model_copy(update={"cluster": config.cluster.model_copy(update={"overlap_next_rollout": overlap})})
     start = restore_checkpoint(config, resume, workers)
     record_owner(config, str(flow_run.get_id()))
     if start["action"] != "fresh":

@@ -64,12 +64,14 @@ def attach_workers(config: TrellisConfig) -> dict[str, int | str]:
     workers = actors.attach_workers(config)
     applied = _wait(config, workers.trainer.applied_step.remote()) if workers.trainer is not None else 0
     report = _wait(config, workers.controller.train_report.remote())
+    rollout_gpu = _wait(config, workers.rollout.gpu_identity.remote()) if workers.rollout is not None else None
     return {
         "address": address,
         "total_train_steps": workers.total_train_steps,
         "applied_step": applied,
         "used": actors.workers_used(config, workers),
         "train_report": report,
+        "rollout_on_gpu": rollout_gpu is not None,
     }
 
 

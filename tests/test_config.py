@@ -92,3 +92,9 @@ def test_bad_files_and_overrides_say_what_is_wrong(tmp_path):
         load_config(broken)
     with pytest.raises(ConfigError, match="must look like key=value"):
         load_config(None, ["seed"], **BASE)
+
+
+@pytest.mark.parametrize("setting, on_gpu, on_cpu", [(None, True, False), (True, True, True), (False, False, False)])
+def test_the_next_rollout_overlaps_the_records_by_default_only_when_it_generates_on_a_gpu(setting, on_gpu, on_cpu):
+    cluster = load_config(None, **BASE, cluster={"overlap_next_rollout": setting}).cluster
+    assert (cluster.overlaps_next_rollout(rollout_on_gpu=True), cluster.overlaps_next_rollout(rollout_on_gpu=False)) == (on_gpu, on_cpu)

@@ -104,20 +104,19 @@ def test_launching_each_rollout_early_changes_no_sample_and_no_metric(tiny_model
     assert lake_rows(early) == lake_rows(in_step) and len(lake_rows(early)) == 3 * 128
     assert lake_rows(early, "eval") == lake_rows(in_step, "eval")
     assert logged_metrics(early) == logged_metrics(in_step)
-    launched = sorted(name for name in await_(step_task_names("rl_train[early]")) if name.startswith("start_rollout"))
+    launched = sorted(run.name for run in await_(step_task_runs("rl_train[early]")) if run.name.startswith("start_rollout"))
     assert launched == ["start_rollout[step=2]", "start_rollout[step=3]"]  # never past the run's end
-    assert not [name for name in await_(step_task_names("rl_train[in_step]")) if name.startswith("start_rollout")]
+    assert not [run for run in await_(step_task_runs("rl_train[in_step]")) if run.name.startswith("start_rollout")]
 
 
-async def step_task_names(run_name: str) -> list[str]:
-    """Names of the task runs inside the step flow runs of one rl_train flow run."""
+async def step_task_runs(run_name: str) -> list:
+    """The task runs inside the step flow runs of one rl_train flow run."""
     from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
 
     async with get_client() as client:
         (run,) = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [run_name]}))
         steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [run.id]}))
-        tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [s.id for s in steps]}))
-    return [task.name for task in tasks]
+        return await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [s.id for s in steps]}))
 
 
 def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
@@ -143,22 +142,26 @@ def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_da
     assert len(set(pids.values())) == 3
 
 
-def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
-    """While step 1 is scored, the rollout worker is SIGKILLed. Launching step 2's rollout fails on it,
-    Prefect retries the task, the retry restarts the worker with the trainer's current weights, and
-    the run ends with every sample of every step in the lake exactly once."""
+@pytest.mark.parametrize("overlap, retried_task", [(False, "produce_batch"), (True, "start_rollout")])
+def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api,
+                                                             overlap, retried_task):
+    """While step 1 is scored, the rollout worker is SIGKILLed. Launching step 2's rollout fails on it
+    (in produce_batch, or in step 1's start_rollout when rollouts are launched early), Prefect retries
+    the task, the retry restarts the worker with the trainer's current weights, and the run ends with
+    every sample of every step in the lake exactly once."""
     from engine.actors import attach_workers, lookup
 
-    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="lost_rollout",
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name=f"lost_rollout_{retried_task}",
                          enable_evaluate=False, enable_initial_evaluate=False, total_train_steps=4,
-                         reward={"function": "fault_rewards:kill_rollout_once"})
+                         reward={"function": "fault_rewards:kill_rollout_once"},
+                         cluster={"address": ray_cluster["address"], "overlap_next_rollout": overlap})
     rollout_pid = ray.get(attach_workers(config).rollout.pid.remote())
     kill_file = ray_cluster["kill_file"]
     kill_file.write_text(str(rollout_pid))  # armed: the first scoring call kills the rollout worker
     rl_train(config)
 
-    retried = [run for run in await_(task_runs_named("")) if run.run_count > 1]
-    assert [(run.name, run.run_count, run.state_name) for run in retried] == [("start_rollout[step=2]", 2, "Completed")]
+    retried = [run for run in await_(step_task_runs(f"rl_train[{config.experiment_name}]")) if run.run_count > 1]
+    assert [(run.name, run.run_count, run.state_name) for run in retried] == [(f"{retried_task}[step=2]", 2, "Completed")]
     assert not kill_file.exists()
     rows = read_lake(config).to_pylist()
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
