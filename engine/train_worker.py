@@ -92,7 +92,7 @@ class TrainingWorker:
         if worker.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         if worker.compile:
-            compile_layers(self.model)
+            compile_decoder(self.model, worker.compile_scope)
         self.model.config.use_cache = False
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
         self.policy = self._policy(self.model)
@@ -300,10 +300,16 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     enable()
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """Compile the decoder layers one by one: identical layers share one graph, so this compiles once,
-    and lengths that vary between micro-batches are traced as dynamic instead of recompiled."""
-    layers = getattr(model.get_decoder(), "layers", None)
+def compile_decoder(model: torch.nn.Module, scope: str) -> None:
+    """Compile the decoder layers one by one (identical layers share one graph, so this compiles once)
+    or the whole decoder as one graph (one call into compiled code per micro-batch instead of one per
+    layer, for many times the compile time). Lengths that vary between micro-batches are traced as
+    dynamic instead of recompiled."""
+    decoder = model.get_decoder()
+    if scope == "decoder":
+        decoder.compile(dynamic=True)
+        return
+    layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"train_worker.compile: {type(model).__name__} has no decoder.layers to compile.")
     for layer in layers:

@@ -40,9 +40,13 @@ def _sequences(vocab: int) -> list[TrainSequence]:
     return sequences
 
 
-@pytest.mark.parametrize("options", [{"layout": "packed"}, {"layout": "packed", "fsdp": True}])
+@pytest.mark.parametrize(
+    "options",
+    [{"layout": "packed"}, {"layout": "packed", "fsdp": True}, {"layout": "packed", "compile": True, "compile_scope": "decoder"}],
+)
 def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data, options):
-    """Same batch, same start: the packed GPU layout (and FSDP2's bf16 policy) reports what padded rows do."""
+    """Same batch, same start: the packed GPU layout (with FSDP2's bf16 policy, or the whole decoder
+    compiled as one graph) reports what padded rows do."""
     metrics = {}
     for name, worker_options in (("padded", {"layout": "padded"}), ("tested", options)):
         config = load_config(

@@ -104,9 +104,11 @@ def plain_loop(model_dir: Path, sequences, pad_id: int, dtype: torch.dtype = tor
 
 
 def trellis_worker(config, sequences, name: str):
-    """``trellis_<layout>[+compile][+fsdp]``: FSDP2's mixed precision instead of autocast."""
+    """``trellis_<layout>[+compile|+compile_decoder][+fsdp]``: FSDP2's mixed precision instead of autocast;
+    ``compile_decoder`` compiles the whole decoder as one graph instead of layer by layer."""
     layout, *options = name.removeprefix("trellis_").split("+")
-    settings = {"layout": layout, "compile": "compile" in options, "fsdp": "fsdp" in options}
+    settings = {"layout": layout, "compile": "compile" in options or "compile_decoder" in options, "fsdp": "fsdp" in options,
+                "compile_scope": "decoder" if "compile_decoder" in options else "layers"}
     worker = TrainingWorker(
         config.model_copy(update={"train_worker": config.train_worker.model_copy(update=settings)}),
         total_train_steps=100,
