@@ -104,7 +104,9 @@ class _OnCudaCompiled:
         if not logits.is_cuda:
             return self._fn(logits, *args)
         if self._compiled is None:
-            self._compiled = torch.compile(self._fn, dynamic=True)
+            # Not dynamic=True: the vocabulary width stays static, so the reductions over it are tuned
+            # for it; the chunk's row count turns dynamic on its first change (the last chunk).
+            self._compiled = torch.compile(self._fn)
         return self._compiled(logits, *args)
 
 
