@@ -157,6 +157,13 @@ class TrainWorkerConfig(_Frozen):
         "for a 0.5B model on an H200), or the whole decoder as one graph (fewer host calls per step: 1.17x the "
         "tokens/s of layers there, but ~6 min of compile).",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="With compile and packed rows on a GPU: replay the compiled decoder as CUDA graphs "
+        "(torch.compile's reduce-overhead mode), so the host no longer launches each kernel. Every packed row "
+        "is filled to pack_max_length so that one graph serves every micro-batch; the fill is computed. The "
+        "graphs keep their memory while the trainer is offloaded, so this suits a trainer that owns its GPU.",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     offload_when_idle: bool = Field(
         True,
@@ -171,6 +178,17 @@ class TrainWorkerConfig(_Frozen):
                 "train_worker.layout: shared_prefix needs the prompts' KV cache, which gradient checkpointing "
                 "drops; use layout: packed or padded, or turn gradient_checkpointing off."
             )
+        if self.cuda_graphs:
+            conflicts = {
+                "compile is off (the graphs are compiled code)": not self.compile,
+                f"layout is {self.layout} (rows of one shape need packed)": self.layout not in ("auto", "packed"),
+                "fsdp is on": self.fsdp,
+                "gradient_checkpointing is on": self.gradient_checkpointing,
+            }
+            found = [reason for reason, conflict in conflicts.items() if conflict]
+            if found:
+                raise ValueError(f"train_worker.cuda_graphs: {'; '.join(found)}. CUDA graphs run compiled, packed rows "
+                                 "without fsdp or gradient checkpointing.")
         return self
 
 

@@ -1,7 +1,8 @@
 """Group training sequences into micro-batches of at most ``pack_max_length`` tokens, and lay them out.
 
-Which sequences share a micro-batch is decided by the token budget (first-fit, order kept). How the
-micro-batch is laid out for the model is a separate choice:
+Which sequences share a micro-batch is decided by the token budget (in order where the layout shares
+prompts, first-fit decreasing otherwise). How the micro-batch is laid out for the model is a separate
+choice:
 
 - ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
   (``engine.varlen_attention``). No pad token is computed; the layout for GPUs.
@@ -66,17 +67,29 @@ def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
     return (labels_NL.flatten() != IGNORE).nonzero().squeeze(1)
 
 
-def pack(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
-    """Indices of ``sequences`` per micro-batch, each holding at most ``pack_max_length`` tokens."""
-    packs: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for index, sequence in enumerate(sequences):
+def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bool = True) -> list[list[int]]:
+    """Indices of ``sequences`` per micro-batch, each holding at most ``pack_max_length`` tokens.
+
+    keep_order: fill one micro-batch after another in the given order, so that a group's samples stay
+    together (as ``shared_prefix`` needs). Otherwise first-fit decreasing, which fills micro-batches
+    tighter: fewer of them, and less padding where rows are padded.
+    """
+    for sequence in sequences:
         if sequence.num_tokens > pack_max_length:
             raise ValueError(
                 f"A sequence of {sequence.num_tokens} tokens exceeds pack_max_length={pack_max_length}; "
                 "raise train_worker.pack_max_length or lower max_prompt_length / max_new_tokens."
             )
+    if keep_order:
+        return _fill_in_order(sequences, pack_max_length)
+    return _first_fit_decreasing(sequences, pack_max_length)
+
+
+def _fill_in_order(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, sequence in enumerate(sequences):
         if used + sequence.num_tokens > pack_max_length and current:
             packs.append(current)
             current, used = [], 0
@@ -85,6 +98,21 @@ def pack(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]
     if current:
         packs.append(current)
     return packs
+
+
+def _first_fit_decreasing(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(sequences)), key=lambda i: -sequences[i].num_tokens):
+        need = sequences[index].num_tokens
+        target = next((b for b, free in enumerate(room) if free >= need), None)
+        if target is None:
+            packs.append([])
+            room.append(pack_max_length)
+            target = len(packs) - 1
+        packs[target].append(index)
+        room[target] -= need
+    return [sorted(indices) for indices in packs]
 
 
 def to_padded(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> MicroBatch:
@@ -108,7 +136,8 @@ def to_padded(sequences: list[TrainSequence], indices: list[int], pad_id: int) -
 
 @dataclass
 class PackedBatch(LabelRows):
-    """One row of T tokens holding N sequences; ``cu_seq_lens`` [N + 1] marks where each starts."""
+    """One row of T tokens holding N sequences; ``cu_seq_lens`` [N + 1] marks where each starts (a row
+    of fixed shape also holds a pad sequence and empty ones, see ``to_packed``)."""
 
     input_ids_1T: torch.Tensor
     position_ids_1T: torch.Tensor
@@ -135,16 +164,37 @@ class PackedBatch(LabelRows):
         return hidden_1TH[0].index_select(0, self.label_positions_K)
 
 
-def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> PackedBatch:
+def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int, *, row_length: int | None = None) -> PackedBatch:
+    """The sequences end to end in one row.
+
+    row_length: give every micro-batch the same shapes, as CUDA graphs need. The row is filled up to
+    ``row_length`` with one pad sequence that no label reads, ``cu_seq_lens`` grows to a power-of-two
+    size with empty sequences (so a handful of sizes serve every micro-batch), and ``max_length`` is
+    ``row_length``. The pad tokens are computed.
+    """
     chosen = [sequences[i] for i in indices]
     lengths = [seq.num_tokens for seq in chosen]
+    tokens = [token for seq in chosen for token in seq.input_ids]
+    max_length = max(lengths)
+    bounds = [0, *itertools.accumulate(lengths)]
+    positions = [torch.arange(n) for n in lengths]
+    if row_length is not None:
+        fill = row_length - bounds[-1]
+        if fill < 0:
+            raise ValueError(f"{bounds[-1]} tokens do not fit a row of {row_length}.")
+        if fill:
+            tokens += [pad_id] * fill
+            positions.append(torch.arange(fill))
+            bounds.append(row_length)
+        bounds += [row_length] * (_next_power_of_two(len(bounds)) - len(bounds))
+        max_length = row_length
     padded = to_padded(sequences, indices, pad_id)
     labels = torch.tensor([label for seq in chosen for label in seq.labels], dtype=torch.long)
     return PackedBatch(
-        input_ids_1T=torch.tensor([[token for seq in chosen for token in seq.input_ids]], dtype=torch.long),
-        position_ids_1T=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
-        cu_seq_lens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
-        max_length=max(lengths),
+        input_ids_1T=torch.tensor([tokens], dtype=torch.long),
+        position_ids_1T=torch.cat(positions).unsqueeze(0),
+        cu_seq_lens=torch.tensor(bounds, dtype=torch.int32),
+        max_length=max_length,
         label_positions_K=label_index(labels),
         labels_NL=padded.labels_NL,
         advantages_NL=padded.advantages_NL,
@@ -152,3 +202,7 @@ def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int) -
         sequence_indices=list(indices),
         label_index_K=padded.label_index_K,
     )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -6,6 +6,7 @@ It is used in-process by ``engine.local_run`` and wrapped as a Ray actor by the 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -91,8 +92,11 @@ class TrainingWorker:
             use_varlen_attention(self.model)
         if worker.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
+        self._cuda_graphs = worker.cuda_graphs and self._device.type == "cuda"
+        if worker.cuda_graphs and not self._cuda_graphs:
+            logger.warning("train_worker.cuda_graphs has no effect on %s; the decoder is compiled without them.", self._device)
         if worker.compile:
-            compile_decoder(self.model, worker.compile_scope)
+            compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs)
         self.model.config.use_cache = False
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
         self.policy = self._policy(self.model)
@@ -151,14 +155,21 @@ class TrainingWorker:
         layout = self._layout
         if layout == "shared_prefix" and not can_share(sequences):
             layout = "padded"
+        budget = self._config.train_worker.pack_max_length
         lay_out = LAYOUTS[layout]
-        packs = pack(sequences, self._config.train_worker.pack_max_length)
+        if layout == "packed" and self._cuda_graphs:
+            lay_out = functools.partial(to_packed, row_length=budget)
+        packs = pack(sequences, budget, keep_order=layout == "shared_prefix")
         return [lay_out(sequences, indices, self._pad_id).to(self._device) for indices in packs]
 
     def _policy(self, model: torch.nn.Module) -> Policy:
         return Policy(model, temperature=self._temperature, chunk_tokens=self._config.train_worker.logprob_chunk_tokens)
 
     def _token_logprobs(self, policy: Policy, batch: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cuda_graphs:
+            # Each micro-batch is a new iteration of the graphs: the previous one's outputs (its
+            # forward's, or a backward's that has run) may be overwritten.
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
             return policy(batch)
 
@@ -167,6 +178,12 @@ class TrainingWorker:
         total_tokens = float(sum(m.label_index_K.numel() for m in micro))
         total_sequences = float(sum(m.num_sequences for m in micro))
         tally = _Tally()
+        if self._cuda_graphs:
+            # The first backward would keep its gradients as .grad, in memory its graph overwrites when
+            # it replays for the next micro-batch; into buffers of their own they are added instead.
+            for param in self.model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
         for index, batch in enumerate(micro):
             mask = batch.loss_mask_NL
             logprobs, entropy = self._token_logprobs(self.policy, batch)
@@ -300,20 +317,25 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     enable()
 
 
-def compile_decoder(model: torch.nn.Module, scope: str) -> None:
+def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = False) -> None:
     """Compile the decoder layers one by one (identical layers share one graph, so this compiles once)
     or the whole decoder as one graph (one call into compiled code per micro-batch instead of one per
-    layer, for many times the compile time). Lengths that vary between micro-batches are traced as
-    dynamic instead of recompiled."""
+    layer, for many times the compile time).
+
+    Without CUDA graphs, lengths that vary between micro-batches are traced as dynamic instead of
+    recompiled. With them (torch.compile's reduce-overhead mode) rows have one length, so shapes are
+    left static and each graph is recorded once per layer and ``cu_seq_lens`` size.
+    """
+    options = {"mode": "reduce-overhead"} if cuda_graphs else {"dynamic": True}
     decoder = model.get_decoder()
     if scope == "decoder":
-        decoder.compile(dynamic=True)
+        decoder.compile(**options)
         return
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"train_worker.compile: {type(model).__name__} has no decoder.layers to compile.")
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(**options)
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:

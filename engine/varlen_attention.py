@@ -86,6 +86,7 @@ def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
         )
         for start, end in zip(bounds[:-1], bounds[1:])
+        if end > start  # rows of fixed shape end with empty sequences
     ]
     return torch.cat(parts, dim=2).transpose(1, 2)
 

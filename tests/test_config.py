@@ -55,6 +55,11 @@ def test_a_minimal_config_is_valid_and_frozen():
         ),
         ({"train_worker": {"layout": "unpadded"}}, "train_worker.layout: Input should be 'auto', 'packed', 'padded' or 'shared_prefix'"),
         ({"train_worker": {"logprob_chunk_tokens": 0}}, "train_worker.logprob_chunk_tokens: Input should be greater than 0"),
+        (
+            {"train_worker": {"cuda_graphs": True, "layout": "padded", "fsdp": True}},
+            "train_worker.cuda_graphs: compile is off (the graphs are compiled code); layout is padded (rows of one "
+            "shape need packed); fsdp is on.",
+        ),
     ],
 )
 def test_rule(changes, message):

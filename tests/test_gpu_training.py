@@ -42,24 +42,32 @@ def _sequences(vocab: int) -> list[TrainSequence]:
 
 @pytest.mark.parametrize(
     "options",
-    [{"layout": "packed"}, {"layout": "packed", "fsdp": True}, {"layout": "packed", "compile": True, "compile_scope": "decoder"}],
+    [
+        {"layout": "packed"},
+        {"layout": "packed", "fsdp": True},
+        {"layout": "packed", "compile": True, "compile_scope": "decoder"},
+        {"layout": "packed", "compile": True, "cuda_graphs": True},
+    ],
 )
 def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data, options):
-    """Same batch, same start: the packed GPU layout (with FSDP2's bf16 policy, or the whole decoder
-    compiled as one graph) reports what padded rows do."""
+    """Same batch, same start, three steps of two micro-batches each (CUDA graphs are recorded by the
+    second step and replayed by the second micro-batch and the third step): the packed GPU layout (with FSDP2's bf16 policy, the whole decoder compiled as one graph,
+    or compiled layers replayed as CUDA graphs) reports what padded rows do at every step."""
     metrics = {}
     for name, worker_options in (("padded", {"layout": "padded"}), ("tested", options)):
         config = load_config(
             None,
             load_from=str(tiny_model),
-            train_dataset={"path": str(reverse_data["train"])},
-            total_train_steps=2,
-            train_worker={"device": "cuda", **worker_options},
+            train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+            total_train_steps=3,
+            train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
         )
-        worker = TrainingWorker(config, total_train_steps=2, pad_token_id=0)
-        metrics[name] = worker.fit(PreparedBatch(_sequences(worker.model.config.vocab_size)), 1).metrics
-    for key in ("pg_loss", "entropy", "mismatch/train_ppl"):
-        assert metrics["tested"][key] == pytest.approx(metrics["padded"][key], rel=2e-2), key
+        worker = TrainingWorker(config, total_train_steps=3, pad_token_id=0)
+        batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
+        metrics[name] = [worker.fit(batch, step).metrics for step in (1, 2, 3)]
+    for step, (tested, padded) in enumerate(zip(metrics["tested"], metrics["padded"]), start=1):
+        for key in ("pg_loss", "entropy", "mismatch/train_ppl"):
+            assert tested[key] == pytest.approx(padded[key], rel=2e-2), (step, key)
 
 
 def test_compiled_head_equals_full_logits_autograd():

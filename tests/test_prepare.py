@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import AdvantageConfig
 from engine.packing import pack, to_padded
-from engine.prepare import IGNORE, build_sequence, prepare_train_data
+from engine.prepare import IGNORE, TrainSequence, build_sequence, prepare_train_data
 from engine.types import RolloutSample, Status
 
 
@@ -95,3 +95,12 @@ def test_packing_respects_the_token_budget_and_keeps_every_sequence():
     assert micro.input_ids_NL.shape == (2, 5) and int(micro.loss_mask_NL.sum()) == 6
     with pytest.raises(ValueError, match="exceeds pack_max_length=4"):
         pack(sequences, pack_max_length=4)
+
+
+def test_dense_packing_fills_fewer_micro_batches_than_packing_in_order():
+    """Lengths 4, 6, 4, 2 in budgets of 8: in order they need three micro-batches, sorted two."""
+    sequences = [TrainSequence([1] * n, [IGNORE] * n, [0.0] * n, [0.0] * n, prompt_length=1) for n in (4, 6, 4, 2)]
+    assert pack(sequences, pack_max_length=8) == [[0], [1], [2, 3]]
+    assert pack(sequences, pack_max_length=8, keep_order=False) == [[1, 3], [0, 2]]
+    with pytest.raises(ValueError, match="exceeds pack_max_length=5"):
+        pack(sequences, pack_max_length=5, keep_order=False)

@@ -125,10 +125,11 @@ def _full_logits_reference(model, sequences, pad_id):
     return logprobs[batch.loss_mask_NL].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded", "shared_prefix", "packed+checkpointing"])
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared_prefix", "packed+checkpointing", "packed+fixed_row"])
 def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, reverse_data, rollout_batch, layout):
     """Packing, prompt sharing, the chunked head (7 positions per chunk here, so every micro-batch
-    spans many chunks) and activation checkpointing change the compute, not the math."""
+    spans many chunks), activation checkpointing and a packed row filled to a fixed shape (a pad
+    sequence and empty ones, as CUDA graphs need) change the compute, not the math."""
     groups, pad_id = rollout_batch
     config = _config(tiny_model, reverse_data)
     sequences = prepare_train_data(groups, config.advantage, shuffle=True, seed=1).sequences
@@ -141,7 +142,11 @@ def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, r
     if extra == "checkpointing":
         enable_activation_checkpointing(model)
         model.train()
-    batch = LAYOUTS[name](sequences, list(range(len(sequences))), pad_id)
+    indices = list(range(len(sequences)))
+    if extra == "fixed_row":
+        batch = to_packed(sequences, indices, pad_id, row_length=sum(s.num_tokens for s in sequences) + 13)
+    else:
+        batch = LAYOUTS[name](sequences, indices, pad_id)
     model.zero_grad()
     logprobs, entropy = batch_logprobs(model, batch, temperature=1.0, chunk_tokens=7)
     (logprobs * batch.advantages_NL).sum().backward()
@@ -161,6 +166,20 @@ def test_packed_rows_hold_no_padding(rollout_batch, tiny_model, reverse_data):
     assert batch.cu_seq_lens.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
     assert batch.position_ids_1T[0, lengths[0]].item() == 0  # positions restart with each sequence
     assert batch.label_positions_K.numel() == batch.label_index_K.numel() == int(batch.loss_mask_NL.sum())
+
+
+def test_a_fixed_shape_row_fills_with_one_pad_sequence_and_empty_ones(rollout_batch, tiny_model, reverse_data):
+    groups, pad_id = rollout_batch
+    sequences = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
+    lengths = [sequences[i].num_tokens for i in (0, 1, 2)]
+    batch = to_packed(sequences, [0, 1, 2], pad_id, row_length=200)
+    assert batch.input_ids_1T.shape == batch.position_ids_1T.shape == (1, 200) and batch.max_length == 200
+    # three sequences, the pad sequence, then empty sequences up to a power-of-two size
+    assert batch.cu_seq_lens.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths), 200, 200, 200, 200]
+    assert batch.input_ids_1T[0, sum(lengths):].eq(pad_id).all() and batch.position_ids_1T[0, sum(lengths)].item() == 0
+    assert batch.label_positions_K.tolist() == to_packed(sequences, [0, 1, 2], pad_id).label_positions_K.tolist()
+    with pytest.raises(ValueError, match=f"{sum(lengths)} tokens do not fit a row of 20"):
+        to_packed(sequences, [0, 1, 2], pad_id, row_length=20)
 
 
 def test_a_model_that_rescales_its_logits_is_refused(tiny_model):
