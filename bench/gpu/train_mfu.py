@@ -1,19 +1,23 @@
 """Training throughput and MFU on packed 8k-token micro-batches of a 0.5B model, against a plain loop.
 
-Every variant trains the same GRPO-shaped batch (groups of 8 samples sharing a 128-token prompt,
-responses of 64-1536 tokens, loss on response tokens) for a few optimizer steps, fp32 master weights
-with bf16 autocast, fused AdamW:
+Every variant trains the same batch for a few optimizer steps, fp32 master weights with bf16
+autocast, fused AdamW. The batch is GRPO-shaped (groups of 8 samples sharing a 128-token prompt,
+responses of 64-1536 tokens, loss on response tokens), or with ``--shape long`` sequences that each
+fill an 8k row:
 
 - ``plain``: the loop everyone writes first: right-padded rows, the model's full logits, log-softmax
   in float32;
-- ``trellis_<layout>[+compile][+fsdp]``: ``TrainingWorker.fit`` itself, with that layout, compiled
-  decoder layers, and bf16 from FSDP2's mixed-precision policy instead of autocast.
+- ``trellis_<layout>[+compile|+compile_decoder][+graphs][+fsdp]``: ``TrainingWorker.fit`` itself, with
+  that layout, compiled decoder layers (or the whole decoder as one graph), replayed as CUDA graphs,
+  and bf16 from FSDP2's mixed-precision policy instead of autocast.
 
 MFU counts the FLOPs the objective needs, whatever a variant spends on padding or recompute:
 6 x body parameters per token, 6 x hidden x vocab per labelled token (the output layer), and
 6 x layers x hidden x sum(len^2) for causal attention, against 989 TFLOP/s (H200 dense bf16).
 
-    python bench/gpu/train_mfu.py OUT_DIR [--steps 4] [--tokens 65536] [--variants plain,trellis_packed,...] [--profile]
+    python bench/gpu/train_mfu.py OUT_DIR [--steps 4] [--tokens 65536] [--shape grpo|long] [--variants plain,trellis_packed,...] [--profile]
+
+writes OUT_DIR/h200_train_mfu_<shape>.json.
 """
 
 from __future__ import annotations
@@ -49,14 +53,17 @@ PEAK_FLOPS = 989e12
 PACK = 8192
 
 
-def grpo_batch(total_tokens: int, vocab: int, seed: int = 0) -> list[TrainSequence]:
+def grpo_batch(total_tokens: int, vocab: int, seed: int = 0, shape: str = "grpo") -> list[TrainSequence]:
+    """``grpo``: groups of 8 responses of 64-1536 tokens to one prompt. ``long``: single sequences
+    that each fill a packed row, the shape of the plain-loop figures in shared/STACK.md."""
     rng = random.Random(seed)
     sequences: list[TrainSequence] = []
     used = 0
+    group, lengths = (8, (64, 1536)) if shape == "grpo" else (1, (PACK - 128, PACK - 128))
     while used < total_tokens:
         prompt = [rng.randrange(vocab) for _ in range(128)]
-        for _ in range(8):
-            response = [rng.randrange(vocab) for _ in range(rng.randint(64, 1536))]
+        for _ in range(group):
+            response = [rng.randrange(vocab) for _ in range(rng.randint(*lengths))]
             ids = prompt + response
             labels = [IGNORE] * 127 + response
             sequences.append(
@@ -104,11 +111,12 @@ def plain_loop(model_dir: Path, sequences, pad_id: int, dtype: torch.dtype = tor
 
 
 def trellis_worker(config, sequences, name: str):
-    """``trellis_<layout>[+compile|+compile_decoder][+fsdp]``: FSDP2's mixed precision instead of autocast;
-    ``compile_decoder`` compiles the whole decoder as one graph instead of layer by layer."""
+    """``trellis_<layout>[+compile|+compile_decoder][+graphs][+fsdp]``: FSDP2's mixed precision instead of
+    autocast; ``compile_decoder`` compiles the whole decoder as one graph instead of layer by layer;
+    ``graphs`` replays the compiled code as CUDA graphs."""
     layout, *options = name.removeprefix("trellis_").split("+")
     settings = {"layout": layout, "compile": "compile" in options or "compile_decoder" in options, "fsdp": "fsdp" in options,
-                "compile_scope": "decoder" if "compile_decoder" in options else "layers"}
+                "compile_scope": "decoder" if "compile_decoder" in options else "layers", "cuda_graphs": "graphs" in options}
     worker = TrainingWorker(
         config.model_copy(update={"train_worker": config.train_worker.model_copy(update=settings)}),
         total_train_steps=100,
@@ -159,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--profile", action="store_true", help="also write each variant's top kernels")
+    parser.add_argument("--shape", choices=("grpo", "long"), default="grpo", help="see grpo_batch")
     parser.add_argument("--variants", default="plain,trellis_padded,trellis_packed,trellis_packed+fsdp,trellis_packed+compile")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -173,8 +182,8 @@ def main() -> None:
         train_worker={"pack_max_length": PACK},
         loss={"rollout_is": {"level": "none"}},
     )
-    sequences = grpo_batch(args.tokens, 151936)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "sequences": len(sequences),
+    sequences = grpo_batch(args.tokens, 151936, shape=args.shape)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": args.shape, "sequences": len(sequences),
                "tokens_per_step": sum(s.num_tokens for s in sequences), "pack_max_length": PACK, "variants": {}}
     for name in args.variants.split(","):
         torch.cuda.empty_cache()
@@ -185,7 +194,7 @@ def main() -> None:
                 model, step, extra = plain_loop(model_dir, sequences, tokenizer.pad_token_id, dtype)
             else:
                 model, step, extra = trellis_worker(config, sequences, name)
-            warmup = measure(step, 2 if "compile" in name else 1)
+            warmup = measure(step, 3 if "graphs" in name else 2 if "compile" in name else 1)
             times = measure(step, args.steps)
         except Exception as error:  # a variant that fails is reported, the others still run
             results["variants"][name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
@@ -211,7 +220,7 @@ def main() -> None:
     for name, figures in results["variants"].items():
         if plain and "tokens_per_s" in figures:
             figures["speed_vs_plain"] = figures["tokens_per_s"] / plain
-    (args.out / "h200_train_mfu.json").write_text(json.dumps(results, indent=2))
+    (args.out / f"h200_train_mfu_{args.shape}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({n: {k: v for k, v in f.items() if k in ("mfu", "tokens_per_s", "speed_vs_plain", "error")} for n, f in results["variants"].items()}, indent=1))
 
 
