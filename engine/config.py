@@ -209,6 +209,12 @@ class ClusterConfig(_Frozen):
         "workers split one GPU (colocated, weights synced through CUDA IPC).",
     )
     torch_threads: int | None = Field(None, gt=0, description="torch threads per worker; default: all cores.")
+    weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
+        "auto",
+        description="How weights reach a rollout worker that is not on the trainer's GPU. auto: an NCCL broadcast "
+        "between two GPUs, Ray's object store on CPU. broadcast: a torch.distributed broadcast in a group of the two "
+        "workers (gloo on CPU). object_store: through Ray's object store. Workers sharing a GPU always use CUDA IPC.",
+    )
     release_workers_at_end: bool = Field(
         True, description="Kill the run's actors when the run completes; false keeps them for a later flow run to re-attach."
     )

@@ -4,6 +4,7 @@ The trainer casts its weights into a few flat buffers (one per bucket) and share
 for each. The rollout process maps the same memory and hands views of it to its engine, which
 copies them into its own parameters. Nothing passes through host memory or Ray's object store.
 The sender keeps the buffers alive until the receiver is done with them (``WeightSender.release``).
+The same buckets carry weights between devices in ``engine.weight_broadcast``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ class Bucket:
             yield spec.name, self.flat[spec.offset : spec.offset + math.prod(spec.shape)].view(spec.shape)
 
 
+@dataclass(frozen=True)
+class BucketLayout:
+    """A bucket without its data: what a receiver allocates before the data arrives."""
+
+    dtype: torch.dtype
+    numel: int
+    specs: list[TensorSpec]
+
+    def allocate(self, device: torch.device) -> Bucket:
+        return Bucket(torch.empty(self.numel, dtype=self.dtype, device=device), self.specs)
+
+
 def flatten(
     state_dict: Mapping[str, torch.Tensor],
     *,
@@ -45,6 +58,21 @@ def flatten(
 ) -> list[Bucket]:
     """Copy the tensors into flat buffers on ``device`` of at most ``bucket_bytes`` each (one tensor
     may exceed it), floating-point ones cast to ``float_dtype``; a bucket holds one dtype."""
+    buckets = []
+    for dtype, group in _groups(state_dict, float_dtype, bucket_bytes):
+        bucket = _layout(dtype, group).allocate(device)
+        for (_, tensor), (_, view) in zip(group, bucket.tensors()):
+            view.copy_(tensor.detach())
+        buckets.append(bucket)
+    return buckets
+
+
+def layouts(state_dict: Mapping[str, torch.Tensor], *, float_dtype: torch.dtype, bucket_bytes: int = BUCKET_BYTES) -> list[BucketLayout]:
+    """The layouts of the buckets ``flatten`` makes of the same arguments, without copying anything."""
+    return [_layout(dtype, group) for dtype, group in _groups(state_dict, float_dtype, bucket_bytes)]
+
+
+def _groups(state_dict: Mapping[str, torch.Tensor], float_dtype: torch.dtype, bucket_bytes: int):
     groups: list[tuple[torch.dtype, list[tuple[str, torch.Tensor]]]] = []
     size = 0
     for name, tensor in state_dict.items():
@@ -55,17 +83,15 @@ def flatten(
             size = 0
         groups[-1][1].append((name, tensor))
         size += bytes_
-    return [_pack(group, dtype, device) for dtype, group in groups]
+    return groups
 
 
-def _pack(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> Bucket:
-    flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=device)
+def _layout(dtype: torch.dtype, group: list[tuple[str, torch.Tensor]]) -> BucketLayout:
     specs, offset = [], 0
     for name, tensor in group:
-        flat[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
         specs.append(TensorSpec(name, tuple(tensor.shape), offset))
         offset += tensor.numel()
-    return Bucket(flat, specs)
+    return BucketLayout(dtype, offset, specs)
 
 
 @dataclass(frozen=True)

@@ -191,8 +191,9 @@ def export_hf(config: TrellisConfig, step: int) -> str:
 
 @task(name="sync_weights", task_run_name="sync_weights[step={step}]", retries=2, retry_delay_seconds=1, **_NOT_STORED)
 def sync_weights(config: TrellisConfig, step: int) -> int:
-    """Trainer weights reach the rollout worker with no disk round trip (CUDA IPC on a shared GPU,
-    else the object store); the next rollout task wakes the rollout worker's KV cache."""
+    """Trainer weights reach the rollout worker with no disk round trip (CUDA IPC on a shared GPU, an
+    NCCL broadcast between GPUs, else the object store: ``cluster.weight_sync``); the next rollout
+    task wakes the rollout worker's KV cache."""
     _replace_lost_rollout_on_retry(config)
     transport = actors.push_weights(config, actors.lookup(config, "trainer"), actors.lookup(config, "rollout"), step)
     get_run_logger().debug("Weights of step %d synced through %s", step, transport)

@@ -1,4 +1,5 @@
-"""Weight sync between processes: flat bucketed buffers (CPU, in CI) and CUDA IPC handles (GPU only)."""
+"""Weight sync between processes: flat bucketed buffers and a gloo broadcast (CPU, in CI), CUDA IPC
+handles and an NCCL broadcast between two GPUs (GPU only)."""
 
 import multiprocessing
 import pickle
@@ -6,7 +7,8 @@ import pickle
 import pytest
 import torch
 
-from engine.weight_transport import WeightSender, flatten, gpu_identity, receive
+from engine.weight_broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
+from engine.weight_transport import WeightSender, flatten, gpu_identity, layouts, receive
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -64,3 +66,57 @@ def test_cuda_ipc_hands_the_weights_to_another_process(offloaded):
         total, dtype, identity = got[name]
         assert dtype == str(expected.dtype) and total == pytest.approx(expected.float().sum().item(), rel=1e-6), name
         assert identity == gpu_identity()
+
+
+def _broadcast_receiver(address: GroupAddress, device: str, layouts_: list, results) -> None:
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    group = WeightGroup(address, RECEIVER, timeout_s=60)
+    weights = group.receive(layouts_)
+    results.put({name: (tensor.cpu(), str(tensor.device)) for name, tensor in weights.items()})
+    group.close()
+
+
+def _exchange(state, address: GroupAddress, sender_device: str, receiver_device: str, sender: WeightGroup | None):
+    """One broadcast from this process to a fresh one; returns what arrived and the sender's group."""
+    float_dtype = torch.bfloat16
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    bucket_layouts = layouts(state, float_dtype=float_dtype, bucket_bytes=40)
+    process = context.Process(target=_broadcast_receiver, args=(address, receiver_device, bucket_layouts, results))
+    process.start()
+    if sender is not None:
+        sender.close()
+    sender = WeightGroup(address, SENDER, timeout_s=60)
+    sender.send(flatten(state, float_dtype=float_dtype, device=torch.device(sender_device), bucket_bytes=40))
+    got = results.get(timeout=120)
+    process.join(timeout=60)
+    assert process.exitcode == 0
+    return got, sender
+
+
+def _check_broadcast(sender_device: str, receiver_device: str, nccl: bool) -> None:
+    state = _state_dict()
+    sender = None
+    # The same trainer pairs with a first rollout process, then with its replacement (a new key).
+    for key in ("trellis-weights-1-2", "trellis-weights-1-3"):
+        state["norm.weight"].add_(1.0)
+        got, sender = _exchange(state, free_address("127.0.0.1", key, nccl=nccl), sender_device, receiver_device, sender)
+        assert list(got) == list(state)
+        for name, tensor in state.items():
+            expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+            received, device = got[name]
+            assert torch.equal(received, expected) and device == receiver_device, (key, name)
+    sender.close()
+
+
+def test_gloo_broadcast_hands_every_bucket_to_a_fresh_process_and_to_its_replacement():
+    """Four buckets (bf16 and int64, one over the bucket limit), two receiving processes in turn."""
+    _check_broadcast("cpu", "cpu", nccl=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nccl_broadcast_hands_the_weights_to_another_gpu():
+    torch.cuda.set_device(0)
+    _check_broadcast("cuda:0", "cuda:1", nccl=True)
