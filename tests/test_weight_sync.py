@@ -1,7 +1,9 @@
-"""Weight sync between the trainer and rollout actors on a real local Ray cluster (CPU)."""
+"""Weight sync between the trainer and rollout actors on a real local Ray cluster: over gloo on CPU
+(CI), over NCCL between two GPUs (GPU machines)."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 
@@ -10,13 +12,24 @@ from engine.rollout.base import SamplingParams
 from helpers import tiny_config
 
 
-def test_a_gloo_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_model, reverse_data, tmp_path, ray_cluster):
-    """cluster.weight_sync: broadcast on CPU. Tried: the rollout worker's weights zeroed (its greedy
-    completions change), then the trainer's broadcast over a gloo group of the two actors: the
-    completions come back token for token, twice, the second time through the same group."""
+PLACEMENTS = [
+    pytest.param({"weight_sync": "broadcast"}, "gloo", id="gloo-on-cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU placement")),
+    pytest.param({"gpu_share": 1.0}, "nccl", id="nccl-between-two-gpus",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]),
+]
+
+
+@pytest.mark.parametrize("cluster, transport", PLACEMENTS)
+def test_a_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_model, reverse_data, tmp_path, ray_cluster,
+                                                                        cluster, transport):
+    """On CPU with cluster.weight_sync: broadcast (gloo), or with each worker on a GPU of its own
+    (NCCL, the default there). Tried: the rollout worker's weights zeroed (its greedy completions
+    change), then the trainer's broadcast over a group of the two actors: the completions come back
+    token for token, twice, the second time through the same group."""
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, experiment_name="weight-sync",
-        cluster={"address": ray_cluster["address"], "weight_sync": "broadcast"},
+        cluster={"address": ray_cluster["address"], **cluster},
     )
     actors.attach_workers(config)
     trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
@@ -31,7 +44,7 @@ def test_a_gloo_broadcast_between_the_actors_restores_zeroed_rollout_weights(tin
         ray.get(rollout.load_weights.remote(zeros, 0))
         assert completions() != served
         for version in (1, 2):
-            assert actors.push_weights(config, trainer, rollout, version) == "gloo"
+            assert actors.push_weights(config, trainer, rollout, version) == transport
             assert completions() == served
             assert ray.get(rollout.policy_version.remote()) == version
     finally:
