@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from engine import actors
 from engine.rollout.base import SamplingParams
@@ -57,3 +61,28 @@ def test_the_transport_follows_placement_and_setting():
     assert choose("auto", "gpu-a", "gpu-b") == "nccl" and choose("object_store", "gpu-a", "gpu-b") == "object_store"
     assert choose("auto", None, None) == "object_store" and choose("broadcast", None, None) == "gloo"
     assert choose("broadcast", "gpu-a", None) == "gloo" and choose("auto", "gpu-a", None) == "object_store"
+
+
+def test_a_rollout_worker_killed_after_a_broadcast_is_replaced_and_paired_anew(tiny_model, reverse_data, tmp_path, ray_cluster):
+    """Tried: the rollout worker's process SIGKILLed after a gloo broadcast. Its replacement (what a
+    retried sync task does) pairs with the trainer in a new group, the trainer dropping the group of
+    the dead peer without waiting on it, and serves the trainer's weights."""
+    config = tiny_config(
+        tiny_model, reverse_data, tmp_path, experiment_name="weight-sync-fault",
+        cluster={"address": ray_cluster["address"], "weight_sync": "broadcast", "ray_get_timeout_s": 60},
+    )
+    actors.attach_workers(config)
+    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
+    prompts, greedy = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0)
+    try:
+        served = ray.get(rollout.generate.remote(prompts, greedy))[0].response_ids
+        assert actors.push_weights(config, trainer, rollout, 1) == "gloo"
+        os.kill(ray.get(rollout.pid.remote()), signal.SIGKILL)
+        with pytest.raises(RayActorError):
+            actors.push_weights(config, trainer, rollout, 2)
+        replacement = actors.restart_rollout(config)
+        assert ray.get(replacement.policy_version.remote()) == 0  # versioned by the trainer's applied step (none yet)
+        assert ray.get(replacement.generate.remote(prompts, greedy))[0].response_ids == served
+        assert actors.push_weights(config, trainer, replacement, 3) == "gloo"
+    finally:
+        actors.release_workers(config)
