@@ -47,7 +47,7 @@ class WeightGroup:
         self._store = dist.PrefixStore(address.key, store)
         if address.nccl:
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            options._timeout = timeout  # the only name under which ProcessGroupNCCL.Options takes it
             self._group = dist.ProcessGroupNCCL(self._store, rank, 2, options)
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
