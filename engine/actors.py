@@ -4,8 +4,8 @@ Every actor is named inside the run's namespace and created with ``get_if_exists
 resumed flow run re-attaches to live workers instead of rebuilding them. Actors reserve no CPU
 (``num_cpus=0``): they mostly wait on each other, and on a 2-core head reserved CPUs would starve
 the work; torch's thread count is set explicitly instead. On a cluster with GPUs the trainer and
-rollout actors ask for a share of one (``gpu_requests``), and weights move between them through
-CUDA IPC when they share a card (``push_weights``).
+rollout actors ask for a share of one (``gpu_requests``); ``engine.weight_sync`` moves weights
+between them.
 """
 
 from __future__ import annotations
@@ -26,11 +26,18 @@ from engine.produce import ProduceResult, produce_summary
 from engine.rollout.base import Generation, SamplingParams
 from engine.secrets import install_log_redaction
 from engine.train_worker import FitResult, TrainingWorker, resolve_device
-from engine.weight_broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
-from engine.weight_transport import BucketLayout, SharedWeights, WeightSender, flatten, gpu_identity, layouts, receive
-
-# What the rollout side runs in on a GPU (both backends); weights are cast to it before sharing.
-ROLLOUT_GPU_DTYPE = torch.bfloat16
+from engine.weight_broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address, rejoin
+from engine.weight_sync import push_weights
+from engine.weight_transport import (
+    ROLLOUT_GPU_DTYPE,
+    BucketLayout,
+    SharedWeights,
+    WeightSender,
+    flatten,
+    gpu_identity,
+    layouts,
+    receive,
+)
 
 
 class GpuPlacementError(RuntimeError):
@@ -74,7 +81,7 @@ class TrainerActor:
         return free_address(ray.util.get_node_ip_address(), key, nccl=nccl)
 
     def join_weight_group(self, address: GroupAddress) -> None:
-        self._weight_group = _join(self._weight_group, address, SENDER, self._timeout_s)
+        self._weight_group = rejoin(self._weight_group, address, SENDER, self._timeout_s)
 
     def weight_layouts(self, float_dtype: torch.dtype) -> list[BucketLayout]:
         return layouts(self.worker.export_weights(), float_dtype=float_dtype)
@@ -126,7 +133,7 @@ class RolloutActor:
         return gpu_identity() if self._on_gpu else None
 
     def join_weight_group(self, address: GroupAddress) -> None:
-        self._weight_group = _join(self._weight_group, address, RECEIVER, self._timeout_s)
+        self._weight_group = rejoin(self._weight_group, address, RECEIVER, self._timeout_s)
 
     def receive_weights(self, layouts: list[BucketLayout], policy_version: int) -> int:
         self.backend.load_weights(self._weight_group.receive(layouts), policy_version)
@@ -157,15 +164,6 @@ class RolloutActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _join(current: WeightGroup | None, address: GroupAddress, rank: int, timeout_s: float) -> WeightGroup:
-    """The group at ``address``, kept when already joined; a group with another peer is closed first."""
-    if current is not None and current.address == address:
-        return current
-    if current is not None:
-        current.close()
-    return WeightGroup(address, rank, timeout_s)
 
 
 class RemoteRollout:
@@ -375,51 +373,6 @@ def _load_trainer_weights(config: TrellisConfig, trainer, rollout) -> None:
     """Give a (new) rollout worker the trainer's current weights, versioned by the trainer's step."""
     step = ray.get(trainer.applied_step.remote(), timeout=config.cluster.ray_get_timeout_s)
     push_weights(config, trainer, rollout, step)
-
-
-def push_weights(config: TrellisConfig, trainer, rollout, policy_version: int) -> str:
-    """Trainer weights into the rollout worker with no disk round trip. Returns the transport used
-    (``cluster.weight_sync`` chooses): CUDA IPC when both are on the same GPU, a broadcast in a
-    process group of their own (NCCL) when they are on different GPUs, and otherwise (CPU) Ray's
-    object store, or a gloo broadcast when asked for."""
-    timeout = config.cluster.ray_get_timeout_s
-    trainer_gpu, rollout_gpu = ray.get([trainer.gpu_identity.remote(), rollout.gpu_identity.remote()], timeout=timeout)
-    transport = weight_transport(config.cluster.weight_sync, trainer_gpu, rollout_gpu)
-    if transport == "object_store":
-        ray.get(rollout.load_weights.remote(trainer.export_weights.remote(), policy_version), timeout=timeout)
-    elif transport == "cuda_ipc":
-        try:
-            ray.get(rollout.load_shared_weights.remote(trainer.share_weights.remote(), policy_version), timeout=timeout)
-        finally:
-            ray.get(trainer.release_shared_weights.remote(), timeout=timeout)
-    else:
-        _broadcast_weights(config, trainer, rollout, policy_version, nccl=transport == "nccl", rollout_on_gpu=rollout_gpu is not None)
-    return transport
-
-
-def weight_transport(choice: str, trainer_gpu: str | None, rollout_gpu: str | None) -> str:
-    """``cuda_ipc``, ``nccl``, ``gloo`` or ``object_store`` for workers on these GPUs (None: on CPU)."""
-    both_on_gpus = trainer_gpu is not None and rollout_gpu is not None
-    if both_on_gpus and trainer_gpu == rollout_gpu:
-        return "cuda_ipc"  # NCCL cannot pair two processes on one GPU, and IPC copies nothing twice
-    if choice == "broadcast":
-        return "nccl" if both_on_gpus else "gloo"
-    if choice == "auto" and both_on_gpus:
-        return "nccl"
-    return "object_store"
-
-
-def _broadcast_weights(config: TrellisConfig, trainer, rollout, policy_version: int, *, nccl: bool, rollout_on_gpu: bool) -> None:
-    timeout = config.cluster.ray_get_timeout_s
-    trainer_pid, rollout_pid = ray.get([trainer.pid.remote(), rollout.pid.remote()], timeout=timeout)
-    key = f"trellis-weights-{trainer_pid}-{rollout_pid}"  # a restarted worker is a new process: a new group
-    address = ray.get(trainer.weight_group_address.remote(key, nccl), timeout=timeout)
-    ray.get([trainer.join_weight_group.remote(address), rollout.join_weight_group.remote(address)], timeout=timeout)
-    dtype = ROLLOUT_GPU_DTYPE if rollout_on_gpu else torch.float32  # a CPU rollout runs in the trainer's float32
-    layouts = ray.get(trainer.weight_layouts.remote(dtype), timeout=timeout)
-    ray.get(
-        [trainer.broadcast_weights.remote(dtype), rollout.receive_weights.remote(layouts, policy_version)], timeout=timeout
-    )
 
 
 def hand_accelerator_to(config: TrellisConfig, role: str) -> None:

@@ -78,3 +78,12 @@ class WeightGroup:
         options = dist.BroadcastOptions()
         options.rootRank = SENDER
         self._group.broadcast([tensor], options).wait()
+
+
+def rejoin(current: WeightGroup | None, address: GroupAddress, rank: int, timeout_s: float) -> WeightGroup:
+    """The group at ``address``, kept when already joined; a group with another peer is closed first."""
+    if current is not None and current.address == address:
+        return current
+    if current is not None:
+        current.close()
+    return WeightGroup(address, rank, timeout_s)

@@ -17,6 +17,8 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 BUCKET_BYTES = 512 << 20
+# What the rollout side runs in on a GPU (both backends); weights are cast to it before sharing.
+ROLLOUT_GPU_DTYPE = torch.bfloat16
 _DEVICE_ARG = 6  # position of the CUDA device index among rebuild_cuda_tensor's arguments
 
 

@@ -18,7 +18,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from engine import actors
+from engine import actors, weight_sync
 from engine.checkpoint import require_complete, step_name
 from engine.cluster import connect
 from engine.config import TrellisConfig
@@ -195,7 +195,7 @@ def sync_weights(config: TrellisConfig, step: int) -> int:
     NCCL broadcast between GPUs, else the object store: ``cluster.weight_sync``); the next rollout
     task wakes the rollout worker's KV cache."""
     _replace_lost_rollout_on_retry(config)
-    transport = actors.push_weights(config, actors.lookup(config, "trainer"), actors.lookup(config, "rollout"), step)
+    transport = weight_sync.push_weights(config, actors.lookup(config, "trainer"), actors.lookup(config, "rollout"), step)
     get_run_logger().debug("Weights of step %d synced through %s", step, transport)
     return step
 

@@ -11,7 +11,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from engine import actors
+from engine import actors, weight_sync
 from engine.rollout.base import SamplingParams
 from helpers import tiny_config
 
@@ -48,7 +48,7 @@ def test_a_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_mod
         ray.get(rollout.load_weights.remote(zeros, 0))
         assert completions() != served
         for version in (1, 2):
-            assert actors.push_weights(config, trainer, rollout, version) == transport
+            assert weight_sync.push_weights(config, trainer, rollout, version) == transport
             assert completions() == served
             assert ray.get(rollout.policy_version.remote()) == version
     finally:
@@ -56,7 +56,7 @@ def test_a_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_mod
 
 
 def test_the_transport_follows_placement_and_setting():
-    choose = actors.weight_transport
+    choose = weight_sync.weight_transport
     assert choose("auto", "gpu-a", "gpu-a") == choose("broadcast", "gpu-a", "gpu-a") == "cuda_ipc"
     assert choose("auto", "gpu-a", "gpu-b") == "nccl" and choose("object_store", "gpu-a", "gpu-b") == "object_store"
     assert choose("auto", None, None) == "object_store" and choose("broadcast", None, None) == "gloo"
@@ -76,13 +76,13 @@ def test_a_rollout_worker_killed_after_a_broadcast_is_replaced_and_paired_anew(t
     prompts, greedy = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0)
     try:
         served = ray.get(rollout.generate.remote(prompts, greedy))[0].response_ids
-        assert actors.push_weights(config, trainer, rollout, 1) == "gloo"
+        assert weight_sync.push_weights(config, trainer, rollout, 1) == "gloo"
         os.kill(ray.get(rollout.pid.remote()), signal.SIGKILL)
         with pytest.raises(RayActorError):
-            actors.push_weights(config, trainer, rollout, 2)
+            weight_sync.push_weights(config, trainer, rollout, 2)
         replacement = actors.restart_rollout(config)
         assert ray.get(replacement.policy_version.remote()) == 0  # versioned by the trainer's applied step (none yet)
         assert ray.get(replacement.generate.remote(prompts, greedy))[0].response_ids == served
-        assert actors.push_weights(config, trainer, replacement, 3) == "gloo"
+        assert weight_sync.push_weights(config, trainer, replacement, 3) == "gloo"
     finally:
         actors.release_workers(config)

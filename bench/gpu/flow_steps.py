@@ -40,7 +40,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from _measure import busy_spans, idle_seconds  # noqa: E402
 from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
 
-from engine import actors  # noqa: E402
+from engine import actors, weight_sync  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 2
@@ -62,7 +62,7 @@ def timed_sync(config, repeats: int = 3) -> dict:
     seconds, transport = [], ""
     for _ in range(repeats):
         started = time.perf_counter()
-        transport = actors.push_weights(config, trainer, rollout, policy_version=10_000)
+        transport = weight_sync.push_weights(config, trainer, rollout, policy_version=10_000)
         seconds.append(time.perf_counter() - started)
     return {"transport": transport, "median_s": statistics.median(seconds), "all_s": seconds}
 
