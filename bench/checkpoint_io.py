@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from engine.config import TrellisConfig
 from engine.tiny.model import build_tiny_checkpoint
-from engine.train_worker import TrainingWorker
+from engine.train.worker import TrainingWorker
 
 
 def build_worker(root: Path, hidden: int, layers: int) -> TrainingWorker:

@@ -34,7 +34,7 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
-from engine.config_loading import load_config  # noqa: E402
+from engine.config.loading import load_config  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3

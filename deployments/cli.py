@@ -35,46 +35,75 @@ cluster_app = typer.Typer(help="A persistent local Ray cluster that runs keep at
 app.add_typer(cluster_app, name="cluster")
 
 
+HomeOption = Annotated[str, typer.Option(help="Where the head's address is recorded (cluster.home).")]
+
+
 @cluster_app.command("up")
 def cluster_up(
     port: Annotated[int, typer.Option(help="GCS port of the head.")] = 6379,
     num_cpus: Annotated[Optional[int], typer.Option(help="CPUs the head offers (default: all).")] = None,
+    home: HomeOption = "~/.trellis",
 ) -> None:
     """Start a local Ray head that outlives this command."""
-    from engine.cluster import ClusterError, is_alive, recorded_address, start_head
+    from engine.cluster.head import ClusterError, is_alive, recorded_address, start_head
     from engine.config import ClusterConfig
 
-    address = recorded_address()
+    cluster = ClusterConfig(head_port=port, num_cpus=num_cpus, home=home)
+    address = recorded_address(cluster)
     if address and is_alive(address):
         typer.echo(f"already running at {address}")
         return
     try:
-        typer.echo(f"started at {start_head(ClusterConfig(head_port=port, num_cpus=num_cpus))}")
+        typer.echo(f"started at {start_head(cluster)}")
     except ClusterError as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1) from None
 
 
 @cluster_app.command("down")
-def cluster_down() -> None:
+def cluster_down(home: HomeOption = "~/.trellis") -> None:
     """Stop the local Ray head (and the run workers on it)."""
-    from engine.cluster import stop_head
+    from engine.cluster.head import stop_head
+    from engine.config import ClusterConfig
 
-    stop_head()
+    stop_head(ClusterConfig(home=home))
     typer.echo("stopped")
 
 
 @cluster_app.command("status")
-def cluster_status() -> None:
+def cluster_status(home: HomeOption = "~/.trellis") -> None:
     """Say whether the recorded local head answers."""
-    from engine.cluster import is_alive, recorded_address
+    from engine.cluster.head import is_alive, recorded_address
+    from engine.config import ClusterConfig
 
-    address = recorded_address()
+    address = recorded_address(ClusterConfig(home=home))
     if address and is_alive(address):
         typer.echo(f"running at {address}")
     else:
         typer.echo("not running")
         raise typer.Exit(code=1)
+
+
+deployments_app = typer.Typer(help="Prefect deployments of the configs in configs/.")
+app.add_typer(deployments_app, name="deployments")
+
+
+@deployments_app.command("render")
+def deployments_render(
+    check: Annotated[bool, typer.Option("--check", help="Only say whether prefect.yaml is up to date.")] = False,
+) -> None:
+    """Write deployments/prefect.yaml from configs/*.yaml (one rl_train deployment each)."""
+    from deployments.render import PREFECT_YAML, bundled_configs, render
+
+    text = render(bundled_configs())
+    if check:
+        if PREFECT_YAML.read_text() != text:
+            typer.secho(f"{PREFECT_YAML} is out of date; run `trellis deployments render`.", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1)
+        typer.echo(f"{PREFECT_YAML} is up to date")
+        return
+    PREFECT_YAML.write_text(text)
+    typer.echo(f"wrote {PREFECT_YAML}")
 
 
 @app.command()
@@ -85,12 +114,12 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
 ) -> None:
     """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs)."""
-    from engine.checkpoint import CheckpointError
-    from engine.config_loading import ConfigError, load_config
-    from engine.data import DatasetError
-    from engine.lake import LakeError
-    from engine.preflight import InputError, check_inputs
+    from engine.config.loading import ConfigError, load_config
+    from engine.data.prompts import DatasetError
+    from engine.run.preflight import InputError, check_inputs
     from engine.secrets import install_log_redaction
+    from engine.storage.checkpoints import CheckpointError
+    from engine.storage.lake import LakeError
 
     _quiet_libraries()
     try:
@@ -109,13 +138,13 @@ def train(
 def _train_in_process(cfg, resume: bool) -> None:
     from tqdm import tqdm
 
-    from engine.local_run import LocalRun
+    from engine.run.local import LocalRun
 
     with LocalRun(cfg, resume=resume) as run:
         typer.echo(f"train prompts: {run.train_report.summary()}")
         if run.step:
-            typer.echo(f"resumed from {run.plan.checkpoint} at step {run.step}")
-        with tqdm(total=run.total_train_steps, initial=run.step, desc="train", unit="step", file=sys.stdout) as bar:
+            typer.echo(f"resumed from {run.plan.start.checkpoint} at step {run.step}")
+        with tqdm(total=run.plan.total_steps, initial=run.step, desc="train", unit="step", file=sys.stdout) as bar:
 
             def on_step(report) -> None:
                 metrics = report.metrics
@@ -128,7 +157,7 @@ def _train_in_process(cfg, resume: bool) -> None:
                     bar.write(f"step {report.step}: eval accuracy {metrics['eval/accuracy']:.3f}")
 
             run.run(on_step)
-    typer.echo(f"metrics: {cfg.run_uri}/logs/metrics.jsonl")
+    _say_where(cfg)
 
 
 def _train_with_flow(cfg, resume: bool) -> None:
@@ -146,13 +175,13 @@ def _train_with_flow(cfg, resume: bool) -> None:
     from flows.rl_train import rl_train
 
     done = threading.Event()
-    bar = tqdm(total=cfg.total_train_steps, desc="train", unit="step", file=sys.stdout)
+    bar = tqdm(total=cfg.total_train_steps, desc="train", unit="step", file=sys.stdout)  # the run plan has the total
     follower = threading.Thread(target=follow_metrics, args=(cfg, bar, done), daemon=True)
     follower.start()
     try:
         # The flow heartbeat thread costs ~1 s per flow call and guards nothing a CLI run needs.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            rl_train.with_options(retries=cfg.cluster.flow_retries)(cfg, resume=resume)
+            rl_train(cfg, resume=resume)
     finally:
         done.set()
         follower.join(timeout=5)

@@ -15,13 +15,13 @@ import typer
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from engine.config_loading import load_config
+from engine.config.loading import load_config
 from flows.rl_train import rl_train
 
 
 def deployment(config_path: Path, *, name: str = "tiny-reverse", cron: str | None = None) -> RunnerDeployment:
     config = load_config(config_path)
-    return rl_train.with_options(retries=config.cluster.flow_retries).to_deployment(
+    return rl_train.to_deployment(
         name=name,
         parameters={"config": config.model_dump(mode="json")},
         cron=cron,

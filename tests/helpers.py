@@ -8,7 +8,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from engine.config_loading import load_config
+from engine.config.loading import load_config
 
 
 def tiny_config(tiny_model, reverse_data, work_dir, **changes):

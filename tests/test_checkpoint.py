@@ -11,10 +11,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.checkpoint import MARKER, CheckpointError, SaveStore
-from engine.lake import LakeError
-from engine.local_run import LocalRun
-from engine.resume import RunExistsError, StartPlan, plan_start
+from engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
+from engine.storage.lake import LakeError
+from engine.run.local import LocalRun
+from engine.run.resume import RunExistsError, StartPlan, plan_start
 from helpers import lake_rows, logged_metrics, tiny_config
 
 FIT_METRICS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac", "mismatch/k3_kl")
@@ -47,7 +47,7 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_model, 
     assert SaveStore(broken.checkpoint_uri).complete_steps() == [2]
 
     resumed = run(broken, resume=True)
-    assert resumed.plan.action == "restore" and resumed.plan.step == 2
+    assert resumed.plan.start.action == "restore" and resumed.plan.start.step == 2
 
     assert logged_metrics(broken) == logged_metrics(whole)  # steps 0-4, step 3 re-done in place
     assert lake_rows(broken) == lake_rows(whole)
@@ -94,7 +94,7 @@ def test_a_checkpoint_write_that_crashes_half_way_leaves_the_previous_one_to_res
 
     FaultyFileSystem.fail_under = None
     resumed = run(config, resume=True)
-    assert resumed.plan.checkpoint == store.uri(2)
+    assert resumed.plan.start.checkpoint == store.uri(2)
     assert store.complete_steps() == [2, 4]
     whole = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="whole")
     run(whole)
@@ -166,7 +166,7 @@ def test_a_fresh_start_refuses_to_overwrite_checkpoints_and_incomplete_ones_are_
     explicit = type(config).model_validate({**config.model_dump(), "load_checkpoint_cfg": {"checkpoint_path": half}})
     with pytest.raises(CheckpointError, match="incomplete"):
         run(explicit)
-    assert run(config.model_copy(update={"auto_resume": True})).plan.action == "restore"  # nothing left to do at 2
+    assert run(config.model_copy(update={"auto_resume": True})).plan.start.action == "restore"  # nothing left to do at 2
 
 
 def test_debug_rollout_then_debug_train_reproduces_the_first_step(tiny_model, reverse_data, tmp_path):
@@ -207,9 +207,9 @@ def test_the_start_plan_rules(tmp_path):
         (tmp_path / "plan" / "checkpoints" / f"step-00000{step}" / "train_state.json").write_text(json.dumps({"step": step}))
         store.seal(step)
     assert plan_start(config(), resume=True, applied_step=4).action == "reattach"
-    assert plan_start(config(), resume=True, applied_step=5) == StartPlan("restore", 4, store.uri(4))
+    assert plan_start(config(), resume=True, applied_step=5) == StartPlan(action="restore", step=4, checkpoint=store.uri(4))
     explicit = config(load_checkpoint_cfg={"checkpoint_path": store.uri(2)})
-    assert plan_start(explicit, resume=False) == StartPlan("restore", 2, store.uri(2))
+    assert plan_start(explicit, resume=False) == StartPlan(action="restore", step=2, checkpoint=store.uri(2))
     assert plan_start(explicit, resume=True).checkpoint == store.uri(4)  # a resume prefers the run's own progress
     with pytest.raises(RunExistsError):
         plan_start(config(), resume=False)

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config import DatasetConfig
-from engine.data import DatasetError, load_prompts
+from engine.data.prompts import DatasetError, load_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The deployment definitions users launch runs from are valid against a real Prefect API."""
+"""The deployment definitions users launch runs from are valid against a real Prefect API, and
+prefect.yaml is the rendering of configs/*.yaml (the two cannot drift)."""
 
 import asyncio
 from pathlib import Path
@@ -7,20 +8,29 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.testing.utilities import prefect_test_harness
 
+from deployments.render import PREFECT_YAML, bundled_configs, render
 from deployments.serve import deployment
 from engine.config import TrellisConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_prefect_yaml_declares_the_training_deployment_with_a_valid_config():
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    assert "definitions" in spec
+def test_prefect_yaml_is_rendered_from_the_configs():
+    assert PREFECT_YAML.read_text() == render(bundled_configs()), "run `trellis deployments render`"
+    spec = yaml.safe_load(PREFECT_YAML.read_text())
     (train,) = spec["deployments"]
     module, _, flow_name = train["entrypoint"].partition(":")
     assert (ROOT / module).exists() and flow_name == "rl_train"
+    assert train["parameters"]["config"] == yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())
     TrellisConfig.model_validate(train["parameters"]["config"])  # the parameter is schema-checked
-    assert train["schedules"][0]["cron"] == "0 2 * * *"
+    assert train["schedules"][0]["cron"] == "0 2 * * *" and train["work_pool"]["name"] == "trellis-local"
+
+
+def test_a_changed_config_changes_the_rendering(tmp_path):
+    changed = tmp_path / "tiny_reverse.yaml"
+    changed.write_text((ROOT / "configs" / "tiny_reverse.yaml").read_text().replace("total_train_steps: 50", "total_train_steps: 60"))
+    assert render([changed]) != PREFECT_YAML.read_text()
+    assert yaml.safe_load(render([changed]))["deployments"][0]["parameters"]["config"]["total_train_steps"] == 60
 
 
 def test_serve_entry_point_registers_a_scheduled_deployment():

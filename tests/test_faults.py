@@ -18,8 +18,8 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
 
-from engine.actors import release_workers
-from engine.checkpoint import SaveStore
+from engine.cluster.workers import RunWorkers
+from engine.storage.checkpoints import SaveStore
 from flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, tiny_config
 
@@ -73,11 +73,11 @@ def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajecto
     rl_train(config.model_copy(update={"cluster": keep_workers}), resume=True)  # as `trellis train --resume` does
 
     assert ray.get(trainer.pid.remote()) == trainer_pid  # re-attached to the surviving trainer, restored in place
-    release_workers(config)
+    RunWorkers(config).release()
     assert logged_metrics(config) == logged_metrics(uninterrupted)
     assert lake_rows(config) == lake_rows(uninterrupted)
     assert lake_rows(config, "eval") == lake_rows(uninterrupted, "eval")
-    (run,) = _flow_runs("rl_train[killed]")  # the killed run lived on the temporary server that died with it
+    (run,) = _flow_runs("rl_run[killed]")  # the killed run lived on the temporary server that died with it
     restored = [r for r in _task_runs("restore_checkpoint") if r.flow_run_id == run.id]
     assert [r.state_name for r in restored] == ["Completed"]
 
@@ -90,15 +90,15 @@ def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
     into the live controller and rollout worker, and redoes steps 3-6."""
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "trainer_killed",
                          reward={"function": "fault_rewards:kill_once"})
-    from engine.actors import attach_workers
-
-    trainer_pid = ray.get(attach_workers(config).trainer.pid.remote())
+    workers = RunWorkers(config)
+    workers.attach()
+    trainer_pid = workers.pids()["trainer"]
     kill_file = ray_cluster["kill_file"]
     kill_file.write_text(f"{trainer_pid} {32 + 2 * 16 * 8}")  # after the initial evaluation and steps 1-2
     rl_train(config)
 
     assert not kill_file.exists()
-    (run,) = _flow_runs("rl_train[trainer_killed]")
+    (run,) = _flow_runs("rl_run[trainer_killed]")
     assert run.run_count == 2 and run.state_name == "Completed"
     rows = lake_rows(config)
     assert len(rows) == STEPS * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
@@ -125,7 +125,7 @@ def _task_runs(name: str) -> list:
 def test_a_refused_fresh_start_stays_refused_on_the_flow_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """A new run over a finished one is refused; Prefect's retry of that failure must not turn it into
     a resume (only a flow run that got past its start decision resumes on retry)."""
-    from engine.resume import RunExistsError
+    from engine.run.resume import RunExistsError
 
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "refused", total_train_steps=2,
                          enable_evaluate=False, enable_initial_evaluate=False)
@@ -133,7 +133,7 @@ def test_a_refused_fresh_start_stays_refused_on_the_flow_retry(tiny_model, rever
     before = (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text()
     with pytest.raises(RunExistsError):
         rl_train(config.model_copy(update={"total_train_steps": 3}))
-    runs = sorted(_flow_runs("rl_train[refused]"), key=lambda r: r.expected_start_time)
+    runs = sorted(_flow_runs("rl_run[refused]"), key=lambda r: r.expected_start_time)
     assert [(r.run_count, r.state_name) for r in runs] == [(1, "Completed"), (2, "Failed")]
     assert (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text() == before  # step 3 never ran
-    release_workers(config)
+    RunWorkers(config).release()

@@ -104,42 +104,47 @@ def test_launching_each_rollout_early_changes_no_sample_and_no_metric(tiny_model
     assert lake_rows(early) == lake_rows(in_step) and len(lake_rows(early)) == 3 * 128
     assert lake_rows(early, "eval") == lake_rows(in_step, "eval")
     assert logged_metrics(early) == logged_metrics(in_step)
-    launched = sorted(run.name for run in await_(step_task_runs("rl_train[early]")) if run.name.startswith("start_rollout"))
+    launched = sorted(run.name for run in await_(step_task_runs("rl_run[early]")) if run.name.startswith("start_rollout"))
     assert launched == ["start_rollout[step=2]", "start_rollout[step=3]"]  # never past the run's end
-    assert not [run for run in await_(step_task_runs("rl_train[in_step]")) if run.name.startswith("start_rollout")]
+    assert not [run for run in await_(step_task_runs("rl_run[in_step]")) if run.name.startswith("start_rollout")]
 
 
 async def step_task_runs(run_name: str) -> list:
-    """The task runs inside the step flow runs of one rl_train flow run."""
+    """The task runs inside the step flow runs of the rl_run flow runs named ``run_name``."""
     from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
 
     async with get_client() as client:
-        (run,) = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [run_name]}))
-        steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [run.id]}))
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [run_name]}))
+        steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [r.id for r in runs]}))
         return await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [s.id for s in steps]}))
 
 
 def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """A first flow run of 2 steps keeps its workers; a second one asking for 4 steps re-attaches to the
+    same processes (their pids compared across the two runs) and trains steps 3 and 4 only."""
+    from engine.cluster.workers import RunWorkers
+
     keep = {"address": ray_cluster["address"], "release_workers_at_end": False}
     first = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="reattach", total_train_steps=2,
                         enable_evaluate=False, enable_initial_evaluate=False, cluster=keep)
     rl_train(first)
-    namespace = first.ray_namespace
-    pids = {role: ray.get(ray.get_actor(f"reattach-{role}", namespace=namespace).pid.remote()) for role in ("controller", "trainer", "rollout")}
+    workers = RunWorkers(first)
+    before = workers.pids()
 
-    second = first.model_copy(update={"total_train_steps": 4, "cluster": first.cluster.model_copy(update={"release_workers_at_end": True})})
+    second = first.model_copy(update={"total_train_steps": 4})
     rl_train(second)
+    after = workers.pids()
+    workers.release()
+    assert after == before and len(set(before.values())) == 3
     rows = read_lake(second).to_pylist()
     assert sorted({r["step"] for r in rows}) == [1, 2, 3, 4]
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
-    fit_runs = [run.name for run in await_(task_runs_named("fit[")) if run.flow_run_id]
-    assert fit_runs.count("fit[step=1]") >= 1
-    # The second run trained steps 3 and 4 only, on the same processes.
+    fit_runs = sorted(run.name for run in await_(step_task_runs("rl_run[reattach]")) if run.name.startswith("fit["))
+    assert fit_runs == ["fit[step=1]", "fit[step=2]", "fit[step=3]", "fit[step=4]"]  # the two runs, once each
     trainer_steps = sorted(r["train_step"] for r in rows if r["policy_version"] == 2)
-    assert trainer_steps and min(trainer_steps) == 3
-    with pytest.raises(ValueError):  # released at the end of the second run
-        ray.get_actor("reattach-trainer", namespace=namespace)
-    assert len(set(pids.values())) == 3
+    assert trainer_steps and min(trainer_steps) == 3  # step 3 sampled by the weights the first run left
+    with pytest.raises(ValueError):
+        workers.actor("trainer")
 
 
 @pytest.mark.parametrize("overlap, retried_task", [(False, "produce_batch"), (True, "start_rollout")])
@@ -149,18 +154,20 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
     (in produce_batch, or in step 1's start_rollout when rollouts are launched early), Prefect retries
     the task, the retry restarts the worker with the trainer's current weights, and the run ends with
     every sample of every step in the lake exactly once."""
-    from engine.actors import attach_workers, lookup
+    from engine.cluster.workers import RunWorkers
 
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name=f"lost_rollout_{retried_task}",
                          enable_evaluate=False, enable_initial_evaluate=False, total_train_steps=4,
                          reward={"function": "fault_rewards:kill_rollout_once"},
                          cluster={"address": ray_cluster["address"], "overlap_next_rollout": overlap})
-    rollout_pid = ray.get(attach_workers(config).rollout.pid.remote())
+    workers = RunWorkers(config)
+    workers.attach()
+    rollout_pid = workers.pids()["rollout"]
     kill_file = ray_cluster["kill_file"]
     kill_file.write_text(str(rollout_pid))  # armed: the first scoring call kills the rollout worker
     rl_train(config)
 
-    retried = [run for run in await_(step_task_runs(f"rl_train[{config.experiment_name}]")) if run.run_count > 1]
+    retried = [run for run in await_(step_task_runs(f"rl_run[{config.experiment_name}]")) if run.run_count > 1]
     assert [(run.name, run.run_count, run.state_name) for run in retried] == [(f"{retried_task}[step=2]", 2, "Completed")]
     assert not kill_file.exists()
     rows = read_lake(config).to_pylist()
@@ -169,13 +176,13 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
     # No sync at step 1 (interval 2), but the restarted worker took the trainer's step-1 weights.
     assert versions == {1: 0, 2: 1, 3: 2, 4: 2}
     with pytest.raises(ValueError):  # the run released its workers, the restarted one included
-        lookup(config, "rollout")
+        workers.actor("rollout")
 
 
 def test_debug_rollout_then_debug_train_as_flow_runs(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """Rollout only into a lake, then training only from it: each starts only the workers it needs,
     and the replayed first step has the loss of an ordinary run's first step."""
-    from engine.local_run import LocalRun
+    from engine.run.local import LocalRun
     from helpers import logged_metrics
 
     def config(name, **changes):
@@ -201,10 +208,10 @@ def test_debug_rollout_then_debug_train_as_flow_runs(tiny_model, reverse_data, t
 
     assert [alive(rollout_only, r) for r in ("controller", "trainer", "rollout")] == [True, False, True]
     assert [alive(train_only, r) for r in ("controller", "trainer", "rollout")] == [True, True, False]
-    from engine.actors import release_workers
+    from engine.cluster.workers import RunWorkers
 
-    release_workers(rollout_only)
-    release_workers(train_only)
+    RunWorkers(rollout_only).release()
+    RunWorkers(train_only).release()
     assert sorted(r["step"] for r in ds.dataset(f"{lake}/trajectories/split=train", partitioning="hive").to_table().to_pylist()[::128]) == [1, 2]
     want, got = logged_metrics(original)[1], logged_metrics(train_only)
     assert sorted(got) == [1, 2]

@@ -4,8 +4,8 @@ import json
 
 import pyarrow.dataset as ds
 
-from engine.config_loading import load_config
-from engine.local_run import LocalRun
+from engine.config.loading import load_config
+from engine.run.local import LocalRun
 
 
 def test_fifty_grpo_steps_lift_held_out_greedy_accuracy(tiny_model, reverse_data, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import RolloutISConfig
-from engine.losses import aggregate, kl_penalty, mismatch_sums, ppo_clip_loss, rollout_is_weights, token_logprobs
+from engine.algo.losses import aggregate, kl_penalty, mismatch_sums, ppo_clip_loss, rollout_is_weights, token_logprobs
 
 
 def _ppo(ratio, advantage, **kwargs):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from engine.config import RewardConfig
-from engine.rewards import RewardRunner, exact_match, math_answer
+from engine.rollout.rewards import RewardRunner, exact_match, math_answer
 
 
 # Reward functions a user might write; referenced by `module:function` like real ones.
@@ -35,7 +35,7 @@ def test_a_raising_function_fails_only_its_sample():
 
 
 def test_a_function_that_sleeps_forever_times_out_and_the_pool_recovers():
-    config = RewardConfig(function=f"{__name__}:sleeps_forever", timeout_s=0.5, by_data_source={"fast": "engine.rewards:exact_match"})
+    config = RewardConfig(function=f"{__name__}:sleeps_forever", timeout_s=0.5, by_data_source={"fast": "engine.rollout.rewards:exact_match"})
     with RewardRunner(config) as runner:
         started = time.perf_counter()
         (stuck,) = runner.score(_samples("a"))
@@ -53,9 +53,9 @@ def test_non_numeric_results_fail_with_what_was_returned():
 
 def test_unknown_function_is_refused_at_start():
     with pytest.raises(ValueError, match="has no callable 'nope'"):
-        RewardRunner(RewardConfig(function="engine.rewards:nope"))
+        RewardRunner(RewardConfig(function="engine.rollout.rewards:nope"))
     with pytest.raises(ValueError, match="must look like 'package.module:function'"):
-        RewardRunner(RewardConfig(function="engine.rewards"))
+        RewardRunner(RewardConfig(function="engine.rollout.rewards"))
 
 
 def test_builtin_exact_match_and_math_verifier():

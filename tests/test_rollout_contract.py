@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.losses import token_logprobs
+from engine.algo.losses import token_logprobs
 from engine.rollout.base import SamplingParams
 from engine.rollout.transformers_backend import TransformersRollout
 

@@ -17,7 +17,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.checkpoint import SaveStore
+from engine.storage.checkpoints import SaveStore
 from flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, tiny_config
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from engine.config import TrellisConfig
-from engine.config_loading import ConfigError, load_config
+from engine.config.loading import ConfigError, load_config
 from engine.secrets import REDACTED, install_log_redaction, redact_mapping, write_runtime_environment
 
 SECRETS = {

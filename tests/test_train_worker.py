@@ -4,17 +4,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config_loading import load_config
-from engine.data import load_prompts
-from engine.logprob_head import batch_logprobs, output_head
-from engine.losses import token_logprobs
-from engine.packing import to_packed, to_padded
-from engine.prepare import prepare_train_data
-from engine.produce import rollout_groups, sampling_params
-from engine.rewards import RewardRunner
+from engine.config.loading import load_config
+from engine.data.prompts import load_prompts
+from engine.train.logprob_head import batch_logprobs, output_head
+from engine.algo.losses import token_logprobs
+from engine.train.packing import to_packed, to_padded
+from engine.data.prepare import prepare_train_data
+from engine.rollout.produce import rollout_groups, sampling_params
+from engine.rollout.rewards import RewardRunner
 from engine.rollout.transformers_backend import TransformersRollout
-from engine.train_worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
-from engine.varlen_attention import use_varlen_attention
+from engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
+from engine.train.varlen_attention import use_varlen_attention
 
 
 def _config(tiny_model, reverse_data, **changes):

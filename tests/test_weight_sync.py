@@ -11,7 +11,8 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from engine import actors, weight_sync
+from engine.cluster import weight_sync
+from engine.cluster.workers import RunWorkers
 from engine.rollout.base import SamplingParams
 from helpers import tiny_config
 
@@ -35,8 +36,9 @@ def test_a_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_mod
         tiny_model, reverse_data, tmp_path, experiment_name="weight-sync",
         cluster={"address": ray_cluster["address"], **cluster},
     )
-    actors.attach_workers(config)
-    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
+    workers = RunWorkers(config)
+    workers.attach()
+    trainer, rollout = workers.actor("trainer"), workers.actor("rollout")
     try:
         prompts, greedy = [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -52,7 +54,37 @@ def test_a_broadcast_between_the_actors_restores_zeroed_rollout_weights(tiny_mod
             assert completions() == served
             assert ray.get(rollout.policy_version.remote()) == version
     finally:
-        actors.release_workers(config)
+        workers.release()
+
+
+@pytest.mark.parametrize("choice, transport", [("auto", "object_store"), ("broadcast", "gloo")])
+def test_after_a_cpu_sync_the_rollout_worker_serves_the_trainers_weights_tensor_by_tensor(
+    tiny_model, reverse_data, tmp_path, ray_cluster, choice, transport
+):
+    """Tried: the trainer's weights changed by a training step, then synced through the object store
+    (the CPU default) or a gloo broadcast. Every tensor the rollout worker generates with equals the
+    trainer's, not only the version label."""
+    from engine.cluster.phases import ClusterPhases
+
+    config = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name=f"sync-equal-{choice}",
+                         cluster={"address": ray_cluster["address"], "weight_sync": choice})
+    phases = ClusterPhases(config)
+    workers = phases.workers
+    workers.attach()
+    try:
+        trainer, rollout = workers.actor("trainer"), workers.actor("rollout")
+        initial = ray.get(rollout.served_weights.remote())
+        phases.fit(1, phases.prepare_data(1, phases.produce_batch(1)))
+        trained = ray.get(trainer.export_weights.remote())
+        assert any(not torch.equal(trained[name], initial[name]) for name in initial)  # the step changed them
+        assert weight_sync.push_weights(config, trainer, rollout, 1) == transport
+        served = ray.get(rollout.served_weights.remote())
+        assert served.keys() == trained.keys()
+        for name, tensor in trained.items():
+            assert torch.equal(served[name], tensor), name
+        assert ray.get(rollout.policy_version.remote()) == 1
+    finally:
+        workers.release()
 
 
 def test_the_transport_follows_placement_and_setting():
@@ -71,8 +103,9 @@ def test_a_rollout_worker_killed_after_a_broadcast_is_replaced_and_paired_anew(t
         tiny_model, reverse_data, tmp_path, experiment_name="weight-sync-fault",
         cluster={"address": ray_cluster["address"], "weight_sync": "broadcast", "ray_get_timeout_s": 60},
     )
-    actors.attach_workers(config)
-    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
+    workers = RunWorkers(config)
+    workers.attach()
+    trainer, rollout = workers.actor("trainer"), workers.actor("rollout")
     prompts, greedy = [[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0)
     try:
         served = ray.get(rollout.generate.remote(prompts, greedy))[0].response_ids
@@ -80,9 +113,9 @@ def test_a_rollout_worker_killed_after_a_broadcast_is_replaced_and_paired_anew(t
         os.kill(ray.get(rollout.pid.remote()), signal.SIGKILL)
         with pytest.raises(RayActorError):
             weight_sync.push_weights(config, trainer, rollout, 2)
-        replacement = actors.restart_rollout(config)
+        replacement = workers.restart_rollout()
         assert ray.get(replacement.policy_version.remote()) == 0  # versioned by the trainer's applied step (none yet)
         assert ray.get(replacement.generate.remote(prompts, greedy))[0].response_ids == served
         assert weight_sync.push_weights(config, trainer, replacement, 3) == "gloo"
     finally:
-        actors.release_workers(config)
+        workers.release()

@@ -7,8 +7,9 @@ import pickle
 import pytest
 import torch
 
-from engine.weight_broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
-from engine.weight_transport import WeightSender, flatten, gpu_identity, layouts, receive
+from engine.weights.broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
+from engine.weights.buckets import flatten, layouts
+from engine.weights.cuda_ipc import WeightSender, gpu_identity, receive
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

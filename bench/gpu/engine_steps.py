@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine.config_loading import load_config
-from engine.local_run import LocalRun
+from engine.config.loading import load_config
+from engine.run.local import LocalRun
 from engine.tiny.model import build_tokenizer
 from engine.tiny.reverse_task import write_dataset
 
@@ -111,9 +111,6 @@ def main() -> None:
     }
     summary["backend"] = args.backend
     summary["resident_trainer"] = args.resident_trainer
-    summary["switch_fraction_of_step"] = statistics.median(
-        (r.get("time/switch_to_rollout", 0.0) + r.get("time/switch_to_trainer", 0.0)) / r["time/step"] for r in steady
-    )
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
     summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
     result_path(args).write_text(json.dumps(summary, indent=1))

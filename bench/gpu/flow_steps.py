@@ -40,7 +40,8 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from _measure import busy_spans, idle_seconds  # noqa: E402
 from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
 
-from engine import actors, weight_sync  # noqa: E402
+from engine.cluster import weight_sync  # noqa: E402
+from engine.cluster.workers import RunWorkers  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 2
@@ -58,7 +59,7 @@ def in_process_steps(args: argparse.Namespace) -> dict:
 
 
 def timed_sync(config, repeats: int = 3) -> dict:
-    trainer, rollout = actors.lookup(config, "trainer"), actors.lookup(config, "rollout")
+    trainer, rollout = RunWorkers(config).actor("trainer"), RunWorkers(config).actor("rollout")
     seconds, transport = [], ""
     for _ in range(repeats):
         started = time.perf_counter()
@@ -91,7 +92,7 @@ def flow_steps(args: argparse.Namespace) -> dict:
             lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
             records = {r["step"]: r for r in map(json.loads, lines)}
             sync = timed_sync(config)
-            actors.release_workers(config)
+            RunWorkers(config).release()
         modes = {}
         for overlap, steps in measured.items():
             wall = [starts[s + 1] - starts[s] for s in steps]

@@ -16,8 +16,8 @@ import time
 import warnings
 from pathlib import Path
 
-from engine.config_loading import load_config
-from engine.local_run import LocalRun
+from engine.config.loading import load_config
+from engine.run.local import LocalRun
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 

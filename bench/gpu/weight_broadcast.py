@@ -1,4 +1,4 @@
-"""Weight sync between two GPUs, 0.5B model: trellis's NCCL broadcast (``engine.weight_broadcast``,
+"""Weight sync between two GPUs, 0.5B model: trellis's NCCL broadcast (``engine.weights.broadcast``,
 what ``push_weights`` runs for a trainer and a rollout worker on different cards) against the host
 round trip that the object-store path makes at the least (GPU -> host -> the other GPU, no
 serialization counted), in the same run.
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_steps import random_qwen2_05b  # noqa: E402
 
 from engine.tiny.model import build_tokenizer  # noqa: E402
-from engine.weight_broadcast import RECEIVER, SENDER, WeightGroup, free_address  # noqa: E402
-from engine.weight_transport import flatten, layouts  # noqa: E402
+from engine.weights.broadcast import RECEIVER, SENDER, WeightGroup, free_address  # noqa: E402
+from engine.weights.buckets import flatten, layouts  # noqa: E402
 
 
 def load_into(model: torch.nn.Module, weights) -> None:

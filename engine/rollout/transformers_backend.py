@@ -13,8 +13,8 @@ from typing import Mapping, Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
 
+from engine.data.token_rows import left_pad, unique_rows
 from engine.rollout.base import Generation, SamplingParams
-from engine.token_rows import left_pad, unique_rows
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
@@ -90,6 +90,10 @@ class TransformersRollout:
         with torch.no_grad():
             self._model.load_state_dict(state_dict, strict=True)
         self._policy_version = policy_version
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights generation runs with, by name (on CPU)."""
+        return {name: tensor.detach().cpu().clone() for name, tensor in self._model.state_dict().items()}
 
     def offload(self) -> None:
         """Weights stay put: on CPU there is no accelerator memory to give back."""

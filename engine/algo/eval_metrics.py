@@ -1,0 +1,45 @@
+"""Evaluation: accuracy and pass@k per data source on a held-out prompt set."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from engine.data.samples import RolloutSample, Status
+
+
+def pass_at_k_estimate(samples: int, correct: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if samples - correct < k:
+        return 1.0
+    return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
+
+
+def evaluation_metrics(groups: list[list[RolloutSample]], *, k: int, threshold: float = 0.5) -> dict[str, float]:
+    """``accuracy`` (mean of correct samples), ``pass@k`` and ``failed`` overall and per data source."""
+    by_source: dict[str, list[list[RolloutSample]]] = defaultdict(list)
+    for group in groups:
+        by_source[group[0].data_source].append(group)
+    metrics = _metrics_of(groups, k, threshold)
+    if len(by_source) > 1:
+        for source, source_groups in sorted(by_source.items()):
+            metrics.update({f"{source}/{key}": value for key, value in _metrics_of(source_groups, k, threshold).items()})
+    return metrics
+
+
+def _metrics_of(groups: list[list[RolloutSample]], k: int, threshold: float) -> dict[str, float]:
+    samples = [s for group in groups for s in group]
+    correct = [s.status == Status.COMPLETED and (s.reward or 0.0) > threshold for s in samples]
+    metrics = {
+        "accuracy": sum(correct) / max(1, len(samples)),
+        "failed": float(sum(s.status == Status.FAILED for s in samples)),
+        "samples": float(len(samples)),
+    }
+    group_size = len(groups[0]) if groups else 0
+    if group_size >= k > 1:
+        scores = []
+        for group in groups:
+            right = sum(s.status == Status.COMPLETED and (s.reward or 0.0) > threshold for s in group)
+            scores.append(pass_at_k_estimate(len(group), right, k))
+        metrics[f"pass@{k}"] = sum(scores) / len(scores)
+    return metrics

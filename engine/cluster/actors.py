@@ -1,0 +1,258 @@
+"""Ray actor shells over the engine's plain classes: a method per call the driver makes, nothing else.
+
+Naming, placement and re-attaching are ``engine.cluster.workers``'s; ``engine.cluster.weight_sync``
+drives the weight-transfer methods. Actors reserve no CPU (``num_cpus=0``): they mostly wait on each
+other, and on a 2-core head reserved CPUs would starve the work; torch's thread count is set
+explicitly instead (``cluster.torch_threads``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import ray
+import torch
+
+from engine.config import TrellisConfig
+from engine.data.prepare import PreparedBatch
+from engine.devices import resolve_device, rollout_device, set_up_process
+from engine.rollout.backends import build_rollout_backend
+from engine.rollout.base import Generation, SamplingParams
+from engine.rollout.controller import Controller
+from engine.rollout.produce import ProduceResult, produce_summary
+from engine.rollout.transformers_backend import TransformersRollout
+from engine.storage.trackers import Trackers
+from engine.train.worker import FitResult, TrainingWorker
+from engine.weights.broadcast import (
+    RECEIVER,
+    SENDER,
+    GroupAddress,
+    WeightGroup,
+    free_address,
+    rejoin,
+)
+from engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, layouts
+from engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    def __init__(self, config: TrellisConfig, total_train_steps: int, pad_token_id: int) -> None:
+        set_up_process(config)
+        self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
+        self._on_gpu = resolve_device(config.train_worker.device).type == "cuda"
+        self._sender: WeightSender | None = None
+        self._weight_group: WeightGroup | None = None
+        self._timeout_s = config.cluster.ray_get_timeout_s
+
+    def gpu_identity(self) -> str | None:
+        return gpu_identity() if self._on_gpu else None
+
+    def share_weights(self) -> SharedWeights:
+        """CUDA IPC handles of the current weights (cast for the rollout); held until released."""
+        self.release_shared_weights()
+        self._sender = WeightSender(self.worker.export_weights(), float_dtype=ROLLOUT_GPU_DTYPE)
+        return self._sender.shared()
+
+    def release_shared_weights(self) -> None:
+        if self._sender is not None:
+            self._sender.release()
+            self._sender = None
+
+    def weight_group_address(self, key: str, nccl: bool) -> GroupAddress:
+        """Where the weight group named ``key`` meets: the live group's address, or a new one."""
+        if self._weight_group is not None and self._weight_group.address.key == key:
+            return self._weight_group.address
+        return free_address(ray.util.get_node_ip_address(), key, nccl=nccl)
+
+    def join_weight_group(self, address: GroupAddress) -> None:
+        self._weight_group = rejoin(self._weight_group, address, SENDER, self._timeout_s)
+
+    def weight_layouts(self, float_dtype: torch.dtype) -> list[BucketLayout]:
+        return layouts(self.worker.export_weights(), float_dtype=float_dtype)
+
+    def broadcast_weights(self, float_dtype: torch.dtype) -> None:
+        group = self._weight_group
+        group.send(flatten(self.worker.export_weights(), float_dtype=float_dtype, device=group.device))
+
+    def fit(self, batch: PreparedBatch, step: int) -> FitResult:
+        return self.worker.fit(batch, step)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.cpu() for name, tensor in self.worker.export_weights().items()}
+
+    def applied_step(self) -> int:
+        return self.worker.applied_step
+
+    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], save_optimizer: bool) -> None:
+        self.worker.save_checkpoint(uri, storage_options, save_optimizer=save_optimizer)
+
+    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], load_optimizer: bool) -> int:
+        return self.worker.load_checkpoint(uri, storage_options, load_optimizer=load_optimizer)
+
+    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+        self.worker.export_hf(uri, storage_options, tokenizer_source)
+
+    def offload(self) -> None:
+        self.worker.offload()
+
+    def onload(self) -> None:
+        self.worker.onload()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class RolloutActor:
+    def __init__(self, config: TrellisConfig, tokenizer_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        set_up_process(config)
+        self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
+        self._on_gpu = rollout_device(config).type == "cuda"
+        self._weight_group: WeightGroup | None = None
+        self._timeout_s = config.cluster.ray_get_timeout_s
+
+    def gpu_identity(self) -> str | None:
+        return gpu_identity() if self._on_gpu else None
+
+    def join_weight_group(self, address: GroupAddress) -> None:
+        self._weight_group = rejoin(self._weight_group, address, RECEIVER, self._timeout_s)
+
+    def receive_weights(self, layouts: list[BucketLayout], policy_version: int) -> int:
+        self.backend.load_weights(self._weight_group.receive(layouts), policy_version)
+        return policy_version
+
+    def load_shared_weights(self, shared: SharedWeights, policy_version: int) -> int:
+        weights = receive(shared)
+        self.backend.load_weights(weights, policy_version)
+        torch.cuda.synchronize()  # the copies out of the trainer's buffers are done before it frees them
+        del weights
+        return policy_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return self.backend.generate(prompts, params)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        self.backend.load_weights(state_dict, policy_version)
+        return policy_version
+
+    def policy_version(self) -> int:
+        return self.backend.policy_version
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the transformers backend generates with; vLLM keeps its own (fused) layout."""
+        if not isinstance(self.backend, TransformersRollout):
+            raise NotImplementedError(f"{type(self.backend).__name__} does not export the weights it serves.")
+        return self.backend.served_weights()
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RemoteRollout:
+    """The rollout contract over a rollout actor, so the controller's code runs unchanged."""
+
+    def __init__(self, handle, timeout_s: float) -> None:
+        self._handle = handle
+        self._timeout_s = timeout_s
+        self._version = ray.get(handle.policy_version.remote(), timeout=timeout_s)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return ray.get(self._handle.generate.remote(prompts, params), timeout=self._timeout_s)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        ray.get(self._handle.load_weights.remote(state_dict, policy_version), timeout=self._timeout_s)
+
+    def offload(self) -> None:
+        ray.get(self._handle.offload.remote(), timeout=self._timeout_s)
+
+    def onload(self) -> None:
+        ray.get(self._handle.onload.remote(), timeout=self._timeout_s)
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    dataset_size: int
+    pad_token_id: int
+    train_report: str
+
+
+@ray.remote(num_cpus=0)
+class ControllerActor:
+    """Produces, prepares, evaluates and stores batches; batches stay in the object store."""
+
+    def __init__(self, config: TrellisConfig) -> None:
+        set_up_process(config)
+        self.config = config
+        self.controller = Controller(config)
+        self.trackers: Trackers | None = None
+
+    def info(self) -> ControllerInfo:
+        controller = self.controller
+        return ControllerInfo(controller.dataset_size, controller.pad_token_id, controller.train_report.summary())
+
+    def has_produced(self) -> bool:
+        return self.controller.has_produced
+
+    def open_trackers(self, first_step: int) -> None:
+        """The run's trackers live here, beside the workers, so that a step retried in another
+        process finds them (and TensorBoard writes one event file per run start, not per step)."""
+        self.close_trackers()
+        self.trackers = Trackers(self.config, first_step)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.trackers is None:
+            self.open_trackers(first_step=step)
+        self.trackers.log(metrics, step)
+
+    def close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+    @ray.method(num_returns=2)
+    def produce_batch(self, step: int, rollout) -> tuple[dict[str, float], ProduceResult]:
+        """Idempotent: a batch launched ahead (``start_rollout``) is returned as produced."""
+        produced = self.controller.produce_batch(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+        return produce_summary(produced), produced
+
+    @ray.method(num_returns=2)
+    def load_batch(self, step: int) -> tuple[dict[str, float], ProduceResult]:
+        produced = self.controller.load_batch(step)
+        return produce_summary(produced), produced
+
+    def save_checkpoint(self, uri: str) -> None:
+        self.controller.save_checkpoint(uri)
+
+    def load_checkpoint(self, uri: str, load_dataset: bool) -> None:
+        self.controller.load_checkpoint(uri, load_dataset=load_dataset)
+
+    @ray.method(num_returns=2)
+    def prepare_data(self, produced: ProduceResult, step: int) -> tuple[dict[str, float], PreparedBatch]:
+        batch = self.controller.prepare_data(produced.groups, step)
+        return batch.info, batch
+
+    def write_trajectories(self, produced: ProduceResult, step: int, split: str) -> str:
+        return self.controller.write_trajectories(produced.groups, step, split)[0]
+
+    def evaluate(self, step: int, rollout) -> tuple[str, dict[str, float]]:
+        groups, metrics = self.controller.evaluate(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+        uri, _ = self.controller.write_trajectories(groups, step, "eval")
+        return uri, metrics
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,30 @@
+"""The run configuration: one frozen pydantic model (``TrellisConfig``) and its sections, loadable from
+YAML with errors a person can act on (``engine.config.loading``)."""
+
+from engine.config.cluster import ClusterConfig
+from engine.config.sections import (
+    AdvantageConfig,
+    DatasetConfig,
+    LoadCheckpointConfig,
+    LossConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    RolloutISConfig,
+    TrainWorkerConfig,
+)
+from engine.config.trellis import TrellisConfig
+
+__all__ = [
+    "AdvantageConfig",
+    "ClusterConfig",
+    "DatasetConfig",
+    "LoadCheckpointConfig",
+    "LossConfig",
+    "OptimConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RolloutISConfig",
+    "TrainWorkerConfig",
+    "TrellisConfig",
+]

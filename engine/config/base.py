@@ -1,0 +1,33 @@
+"""What every config section shares: frozen, unknown keys refused, storage options that never
+serialize their credentials."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
+
+from engine.secrets import REDACTED, redact_mapping
+
+
+def _no_masked_secrets(options: dict[str, Any]) -> dict[str, Any]:
+    masked = [name for name, value in options.items() if value == REDACTED]
+    if masked:
+        raise ValueError(
+            f"storage_options {masked} hold the mask {REDACTED!r}, not credentials: configs written out by "
+            "trellis (Prefect parameters, checkpoints) never carry secrets. Put the credentials in the "
+            "workers' environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or in the YAML file."
+        )
+    return options
+
+
+# JSON dumps of a config reach Prefect's API (flow parameters), checkpoints and logs: never credentials.
+StorageOptions = Annotated[
+    dict[str, Any], AfterValidator(_no_masked_secrets), PlainSerializer(redact_mapping, when_used="json")
+]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+

@@ -1,0 +1,98 @@
+"""The cross-field rules of a run's configuration. Each returns every problem it finds, as a sentence
+that says what to change, so that a config with several mistakes is fixed in one go."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config.trellis import TrellisConfig
+
+
+def interval_problems(config: TrellisConfig) -> list[str]:
+    """Saves and evaluations run on weight-sync steps only, so their intervals must be multiples of it."""
+    sync = config.sync_weights_interval
+    if sync <= 0:
+        return [f"sync_weights_interval must be positive, got {sync}."]
+    problems = []
+    for name in ("checkpoint_interval", "hf_interval"):
+        interval = getattr(config, name)
+        if interval is None or interval == -1:
+            continue
+        if interval <= 0:
+            problems.append(f"{name} must be positive, or -1 / null to disable it; got {interval}.")
+        elif interval % sync:
+            problems.append(
+                f"{name}={interval} must be a multiple of sync_weights_interval={sync}, because checkpoints and "
+                "HF exports are written on weight-sync steps only."
+            )
+    if config.enable_evaluate:
+        if config.evaluate_step <= 0:
+            problems.append(f"evaluate_step must be positive when evaluation is enabled, got {config.evaluate_step}.")
+        elif config.evaluate_step % sync:
+            problems.append(
+                f"evaluate_step={config.evaluate_step} must be a multiple of sync_weights_interval={sync}, because "
+                "evaluation runs on weight-sync steps only."
+            )
+    for name in ("checkpoint_maxkeep", "hf_max_keep"):
+        keep = getattr(config, name)
+        if keep is not None and keep != -1 and keep <= 0:
+            problems.append(f"{name} must be positive, or -1 / null to keep all; got {keep}.")
+    return problems
+
+
+def length_problems(config: TrellisConfig) -> list[str]:
+    problems = []
+    if not config.debug_train and config.total_train_steps is None and config.total_epochs is None:
+        problems.append("Either total_train_steps or total_epochs must be set.")
+    for name in ("total_train_steps", "total_epochs"):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            problems.append(f"{name} must be positive, got {value}.")
+    return problems
+
+
+def mode_problems(config: TrellisConfig) -> list[str]:
+    problems = []
+    if config.debug_rollout and config.debug_train:
+        problems.append("debug_rollout and debug_train cannot both be enabled; pick one.")
+    elif (config.debug_rollout or config.debug_train) and config.debug_rollout_dir is None:
+        mode = "debug_rollout" if config.debug_rollout else "debug_train"
+        problems.append(f"debug_rollout_dir must be set when {mode}=true.")
+    if (config.enable_evaluate or config.enable_initial_evaluate) and config.eval_dataset is None:
+        problems.append("Evaluation is enabled but eval_dataset is not set; set one or enable_evaluate=false.")
+    return problems
+
+
+def algorithm_problems(config: TrellisConfig) -> list[str]:
+    problems = []
+    loss, advantage, group = config.loss, config.advantage, config.prompt_repeat_k
+    if loss.clip_eps_high < loss.clip_eps_low:
+        problems.append(
+            f"loss.clip_eps_high={loss.clip_eps_high} is below loss.clip_eps_low={loss.clip_eps_low}; clip-higher "
+            "only widens the upper bound."
+        )
+    if advantage.estimator in ("grpo", "rloo", "pass_at_k") and group < 2:
+        problems.append(
+            f"advantage.estimator={advantage.estimator!r} compares samples of one prompt: prompt_repeat_k must be "
+            f"at least 2, got {group}."
+        )
+    if advantage.estimator == "pass_at_k" and advantage.pass_at_k > group:
+        problems.append(f"advantage.pass_at_k={advantage.pass_at_k} exceeds prompt_repeat_k={group}.")
+    worker = config.train_worker
+    longest = config.train_dataset.max_prompt_length + config.rollout.max_new_tokens - 1
+    if longest > worker.pack_max_length:
+        problems.append(
+            f"train_worker.pack_max_length={worker.pack_max_length} cannot hold a sample of "
+            f"train_dataset.max_prompt_length + rollout.max_new_tokens - 1 = {longest} tokens; raise it or lower "
+            "those two."
+        )
+    if config.train_batch_size * group < worker.optimizer_steps:
+        problems.append(
+            f"train_worker.optimizer_steps={worker.optimizer_steps} exceeds the {config.train_batch_size * group} "
+            "samples of a batch."
+        )
+    return problems
+
+
+RULES = (mode_problems, length_problems, interval_problems, algorithm_problems)

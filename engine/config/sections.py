@@ -1,0 +1,176 @@
+"""The sections of a run's configuration: data, rollout, reward, advantage, loss, optimizer, training
+worker and checkpoint loading. Field names follow XTuner v1's configs where the field exists there."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.base import Frozen, StorageOptions
+
+
+class DatasetConfig(Frozen):
+    """A prompt dataset: Parquet or JSONL, local or any fsspec URI."""
+
+    path: str = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    data_source_key: str = "data_source"
+    task_name_key: str = "task_name"
+    max_prompt_length: int = Field(
+        1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
+    )
+    storage_options: StorageOptions = Field(default_factory=dict, repr=False, description="Passed to fsspec (e.g. S3 endpoint).")
+    limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")
+
+
+class RolloutConfig(Frozen):
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers runs anywhere (CPU default); vllm needs an accelerator."
+    )
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_new_tokens: int = Field(8, gt=0)
+    stop_token_ids: tuple[int, ...] = Field((), description="Extra stop tokens; the tokenizer's eos always stops.")
+    eval_temperature: float = Field(0.0, ge=0.0, description="Evaluation samples greedily by default.")
+    eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only.")
+    sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")
+    runtime_env: dict[str, Any] | None = Field(
+        None,
+        description="Ray runtime_env of the rollout worker, e.g. {env_vars: {PYTHONPATH: '/opt/vllm-site:${PYTHONPATH}'}} "
+        "where vLLM lives outside the cluster's environment.",
+    )
+
+
+class RewardConfig(Frozen):
+    function: str = Field(
+        "engine.tiny.reverse_task:score",
+        description="`module:function` taking the sample dict and returning a float or a dict with 'score'.",
+    )
+    by_data_source: dict[str, str] = Field(
+        default_factory=dict, description="Per-data_source overrides of `function`."
+    )
+    timeout_s: float = Field(10.0, gt=0.0, description="A call past this marks its sample FAILED.")
+    num_workers: int = Field(1, ge=1, description="Processes scoring in parallel (isolated from the trainer).")
+
+
+class AdvantageConfig(Frozen):
+    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k"] = "grpo"
+    eps: float = Field(1e-4, gt=0.0, description="Added to the group std (GRPO) to avoid dividing by zero.")
+    pass_at_k: int = Field(4, gt=0, description="k of the pass@k estimator.")
+    correct_threshold: float = Field(0.5, description="pass@k: a reward above this counts as correct.")
+
+
+class RolloutISConfig(Frozen):
+    """Importance-sampling correction for the train/rollout policy mismatch."""
+
+    level: Literal["none", "token", "sequence"] = "none"
+    mode: Literal["truncate", "mask"] = "truncate"
+    upper: float = Field(2.0, gt=1.0)
+    lower: float | None = Field(None, gt=0.0, lt=1.0, description="mask mode only; default 1/upper.")
+
+
+class LossConfig(Frozen):
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.2, gt=0.0, description="Clip-higher (DAPO) when larger than clip_eps_low.")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the initial (reference) model; 0 loads none.")
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+
+
+class OptimConfig(Frozen):
+    lr: float = Field(3e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Counted in optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrainWorkerConfig(Frozen):
+    optimizer_steps: int = Field(1, gt=0, description="Mini-batches (optimizer steps) per rollout batch.")
+    pack_max_length: int = Field(4096, gt=0, description="Token budget of one micro-batch.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    gradient_checkpointing: bool = False
+    layout: Literal["auto", "packed", "padded", "shared_prefix"] = Field(
+        "auto",
+        description="How a micro-batch meets the model. packed: sequences end to end in one row with "
+        "attention kept inside each (varlen flash attention on GPU, no pad tokens computed). padded: "
+        "right-padded rows. shared_prefix: each distinct prompt runs once and its KV cache serves its group's "
+        "samples (exact; best on CPU, where GRPO's repeated prompts dominate). auto: packed on GPU, "
+        "shared_prefix on CPU (padded with gradient checkpointing, which drops the KV cache).",
+    )
+    logprob_chunk_tokens: int = Field(
+        2048,
+        gt=0,
+        description="Labelled positions sent through the output layer at once; bounds the float32 logits "
+        "held at any time to this many rows of the vocabulary.",
+    )
+    fsdp: bool = Field(
+        False,
+        description="Wrap the policy with FSDP2 (fully_shard): fp32 master weights and AdamW states, bf16 compute "
+        "from a mixed-precision policy, shards over the trainer's GPUs. Off: one GPU under bf16 autocast, which "
+        "measured 1.6x faster than FSDP2 at world size 1 on an H200 (bench/gpu/train_mfu.py).",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the decoder (fuses the norms, rotary and activations between the matmuls; "
+        "1.37x training tokens/s for a 0.5B model on an H200). The first steps pay the compile.",
+    )
+    compile_scope: Literal["layers", "decoder"] = Field(
+        "layers",
+        description="With compile: each decoder layer on its own (identical layers share one graph; ~30 s of compile "
+        "for a 0.5B model on an H200), or the whole decoder as one graph (fewer host calls per step: 1.17x the "
+        "tokens/s of layers there, but ~6 min of compile).",
+    )
+    cuda_graphs: bool = Field(
+        False,
+        description="With compile and packed rows on a GPU: replay the compiled decoder as CUDA graphs "
+        "(torch.compile's reduce-overhead mode), so the host no longer launches each kernel. Every packed row "
+        "is filled to pack_max_length so that one graph serves every micro-batch; the fill is computed. The "
+        "graphs keep their memory while the trainer is offloaded, so this suits a trainer that owns its GPU.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    offload_when_idle: bool = Field(
+        True,
+        description="Colocated: move weights and AdamW state to CPU while the rollout runs (as XTuner does). "
+        "False keeps them on the GPU when it has room for both, which saves two host transfers per step.",
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> TrainWorkerConfig:
+        if self.layout == "shared_prefix" and self.gradient_checkpointing:
+            raise ValueError(
+                "train_worker.layout: shared_prefix needs the prompts' KV cache, which gradient checkpointing "
+                "drops; use layout: packed or padded, or turn gradient_checkpointing off."
+            )
+        if self.cuda_graphs:
+            conflicts = {
+                "compile is off (the graphs are compiled code)": not self.compile,
+                f"layout is {self.layout} (rows of one shape need packed)": self.layout not in ("auto", "packed"),
+                "fsdp is on": self.fsdp,
+                "gradient_checkpointing is on": self.gradient_checkpointing,
+            }
+            found = [reason for reason, conflict in conflicts.items() if conflict]
+            if found:
+                raise ValueError(f"train_worker.cuda_graphs: {'; '.join(found)}. CUDA graphs run compiled, packed rows "
+                                 "without fsdp or gradient checkpointing.")
+        return self
+
+
+class LoadCheckpointConfig(Frozen):
+    """An explicit checkpoint to start from (``auto_resume`` finds the latest one by itself)."""
+
+    checkpoint_path: str | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
+    load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments (e.g. after changing the lr).")
+    load_dataset: bool = Field(True, description="False: restart the prompt order instead of continuing it.")
+
+

@@ -1,0 +1,109 @@
+"""The run configuration: one frozen pydantic model, loadable from YAML.
+
+Field names follow XTuner v1's ``BaseRLTrainerConfig`` where a field exists there (``load_from``,
+``train_batch_size``, ``sync_weights_interval``, ...), so XTuner users feel at home; the README's
+configuration table says where a meaning differs. Every knob is a field; nothing is read from
+environment variables. Cross-field rules raise ``ValueError`` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.base import Frozen, StorageOptions
+from engine.config.cluster import ClusterConfig
+from engine.config.rules import RULES
+from engine.config.sections import (
+    AdvantageConfig,
+    DatasetConfig,
+    LoadCheckpointConfig,
+    LossConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainWorkerConfig,
+)
+
+
+class TrellisConfig(Frozen):
+    """Everything one RL run needs."""
+
+    load_from: str = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
+    tokenizer_path: str | None = Field(None, description="Defaults to load_from.")
+    train_dataset: DatasetConfig
+    eval_dataset: DatasetConfig | None = None
+    work_dir: str = Field("work_dirs", description="Any fsspec URI: trajectories, checkpoints, logs go here.")
+    experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    storage_options: StorageOptions = Field(
+        default_factory=dict,
+        repr=False,
+        description="fsspec options for work_dir. Credentials are better left to the environment (AWS_ACCESS_KEY_ID...); "
+        "secret-looking entries are masked wherever the config is written out.",
+    )
+
+    train_batch_size: int = Field(16, gt=0, description="Prompts (groups) per training step.")
+    prompt_repeat_k: int = Field(8, gt=0, description="Samples per prompt: the GRPO group size.")
+    total_train_steps: int | None = None
+    total_epochs: int | None = None
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
+
+    sync_weights_interval: int = 1
+    enable_evaluate: bool = Field(False, description="Needs eval_dataset.")
+    enable_initial_evaluate: bool = False
+    evaluate_step: int = 1
+    checkpoint_interval: int | None = -1
+    checkpoint_maxkeep: int | None = -1
+    hf_interval: int | None = -1
+    hf_max_keep: int | None = -1
+    checkpoint_no_save_optimizer: bool = False
+    auto_resume: bool = Field(False, description="Continue from the latest complete checkpoint of this run, if any.")
+    load_checkpoint_cfg: LoadCheckpointConfig = Field(default_factory=LoadCheckpointConfig)
+
+    seed: int = 42
+    deterministic: bool = Field(False, description="Deterministic kernels and no micro-batch shuffle.")
+    debug_rollout: bool = False
+    debug_train: bool = False
+    debug_rollout_dir: str | None = None
+    exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> TrellisConfig:
+        problems = [problem for rule in RULES for problem in rule(self)]
+        if problems:
+            raise ValueError("\n".join(problems))  # the loader lists each line as one problem
+        return self
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer_path or self.load_from
+
+    @property
+    def ray_namespace(self) -> str:
+        return self.cluster.namespace or f"trellis-{self.experiment_name}"
+
+    @property
+    def run_uri(self) -> str:
+        return f"{self.work_dir.rstrip('/')}/{self.experiment_name}"
+
+    def trajectory_root(self, split: str) -> str:
+        """Where a split's trajectories go: ``debug_rollout`` keeps its train batches in ``debug_rollout_dir``."""
+        if self.debug_rollout and split == "train" and self.debug_rollout_dir is not None:
+            return self.debug_rollout_dir
+        return self.run_uri
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return f"{self.run_uri}/checkpoints"
+
+    @property
+    def hf_uri(self) -> str:
+        return f"{self.run_uri}/hf"

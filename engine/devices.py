@@ -1,0 +1,39 @@
+"""Which device each side of a run computes on, and the per-process setup every worker shares."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from engine.config import TrellisConfig
+from engine.secrets import install_log_redaction
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto``: the GPU where there is one, else the CPU."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def rollout_device(config: TrellisConfig) -> torch.device:
+    """vLLM runs on the GPU; the transformers loop on the trainer's device."""
+    if config.rollout.backend == "vllm":
+        return torch.device("cuda")
+    return resolve_device(config.train_worker.device)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def set_up_process(config: TrellisConfig) -> None:
+    """What every process that holds a part of a run does first: torch threads, seeds, log redaction."""
+    torch.set_num_threads(config.cluster.torch_threads or os.cpu_count() or 1)
+    seed_everything(config.seed, config.deterministic)
+    install_log_redaction(config.storage_options)

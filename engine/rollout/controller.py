@@ -1,0 +1,143 @@
+"""The rollout controller: owns the prompts, the sampler and the reward runner, and turns a rollout
+backend into scored batches. Used in-process by ``LocalRun`` and as a Ray actor by the flow.
+
+``produce_batch(step)`` is idempotent: the sampler state before each step is remembered, so a retried
+step draws the same prompts with the same seed instead of skipping ahead, and the latest batches are
+kept, so a rollout launched ahead of its step (``start_rollout``) is collected by the step's
+``produce_batch`` from whichever process asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from engine.algo.eval_metrics import evaluation_metrics
+from engine.config import TrellisConfig
+from engine.data.prepare import PreparedBatch, prepare_train_data
+from engine.data.prompts import PromptRecord, load_prompts
+from engine.data.sampler import PromptSampler
+from engine.data.samples import RolloutSample
+from engine.rng import capture_rng, restore_rng
+from engine.rollout.base import RolloutBackend
+from engine.rollout.produce import (
+    ProduceResult,
+    rollout_groups,
+    sampling_params,
+    step_seed,
+)
+from engine.rollout.rewards import RewardRunner
+from engine.storage.checkpoints import load_object, save_object
+from engine.storage.lake import read_groups, summary, write_samples
+
+_KEPT_SNAPSHOTS = 4
+_KEPT_BATCHES = 2
+
+
+class Controller:
+    def __init__(self, config: TrellisConfig) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_source)
+        prompts, self.train_report = load_prompts(config.train_dataset, self.tokenizer)
+        self.sampler: PromptSampler[PromptRecord] = PromptSampler(prompts, seed=config.seed)
+        self.eval_prompts: list[PromptRecord] = []
+        if config.eval_dataset is not None:
+            self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
+        self.rewards = RewardRunner(config.reward)
+        self._sampler_before_step: dict[int, dict[str, int]] = {}
+        self._produced: dict[int, ProduceResult] = {}
+
+    @property
+    def dataset_size(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def has_produced(self) -> bool:
+        """Whether this controller has drawn training prompts since it was built or restored."""
+        return bool(self._sampler_before_step)
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def produce_batch(self, step: int, backend: RolloutBackend) -> ProduceResult:
+        if step in self._produced:
+            return self._produced[step]
+        if step in self._sampler_before_step:
+            self.sampler.load_state_dict(self._sampler_before_step[step])
+        else:
+            self._sampler_before_step[step] = self.sampler.state_dict()
+            for old in sorted(self._sampler_before_step)[:-_KEPT_SNAPSHOTS]:
+                del self._sampler_before_step[old]
+        produced = rollout_groups(
+            self.sampler.sample(self.config.train_batch_size),
+            repeat=self.config.prompt_repeat_k,
+            backend=backend,
+            rewards=self.rewards,
+            params=sampling_params(self.config.rollout, seed=step_seed(self.config.seed, step)),
+            train_step=step,
+            id_prefix="train-",
+        )
+        self._produced[step] = produced
+        for old in sorted(self._produced)[:-_KEPT_BATCHES]:
+            del self._produced[old]
+        return produced
+
+    def load_batch(self, step: int) -> ProduceResult:
+        """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""
+        assert self.config.debug_rollout_dir is not None  # the config requires it in debug_train
+        return ProduceResult.of(read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options))
+
+    def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
+        config = self.config
+        return prepare_train_data(
+            groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2)
+        )
+
+    def evaluate(self, step: int, backend: RolloutBackend) -> tuple[list[list[RolloutSample]], dict[str, float]]:
+        rollout = self.config.rollout
+        produced = rollout_groups(
+            self.eval_prompts,
+            repeat=rollout.eval_samples_per_prompt,
+            backend=backend,
+            rewards=self.rewards,
+            params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
+            train_step=step,
+            id_prefix="eval-",
+        )
+        return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
+
+    def write_trajectories(self, groups: list[list[RolloutSample]], step: int, split: str) -> tuple[str, dict[str, float]]:
+        samples = [sample for group in groups for sample in group]
+        uri = write_samples(
+            samples,
+            run_uri=self.config.trajectory_root(split),
+            run=self.config.experiment_name,
+            split=split,
+            step=step,
+            storage_options=self.config.storage_options,
+        )
+        return uri, summary(samples)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "rng": capture_rng()}
+
+    def load_state_dict(self, state: dict[str, Any], *, load_dataset: bool = True) -> None:
+        if load_dataset:
+            self.sampler.load_state_dict(state["sampler"])
+        self._sampler_before_step.clear()
+        self._produced.clear()
+        restore_rng(state["rng"])
+
+    def save_checkpoint(self, uri: str) -> None:
+        save_object(self.state_dict(), f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+
+    def load_checkpoint(self, uri: str, *, load_dataset: bool = True) -> None:
+        state = load_object(f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        self.load_state_dict(state, load_dataset=load_dataset)
+
+    def close(self) -> None:
+        self.rewards.close()

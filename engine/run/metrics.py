@@ -1,0 +1,125 @@
+"""A step's metrics under the reference's names: phase timers, the run-level counters and the seven
+``throughput/*``."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from pydantic import BaseModel, ConfigDict
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Adds the block's wall time to ``timings[name]`` (the ``time/{name}`` metric)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
+
+
+class RunCounters(BaseModel):
+    """The run-level counters behind ``throughput/e2e_*``. They travel from step to step (and into
+    checkpoints, so a resumed run continues them); ``started_s`` is wall-clock time (``time.time()``),
+    so the counters mean the same in every process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    started_s: float
+    samples: float = 0.0
+    tokens: float = 0.0
+
+    @classmethod
+    def fresh(cls) -> RunCounters:
+        return cls(started_s=time.time())
+
+    @classmethod
+    def resumed(cls, train_state: Mapping[str, Any] | None) -> RunCounters:
+        """Counters that continue those a checkpoint's ``train_state.json`` recorded (fresh without one)."""
+        if train_state is None:
+            return cls.fresh()
+        return cls(
+            started_s=time.time() - float(train_state["elapsed_s"]),
+            samples=float(train_state["samples"]),
+            tokens=float(train_state["tokens"]),
+        )
+
+    def after(self, *, samples: float, tokens: float) -> RunCounters:
+        return self.model_copy(update={"samples": self.samples + samples, "tokens": self.tokens + tokens})
+
+
+def throughput_metrics(
+    counters: RunCounters,
+    *,
+    training_samples: float,
+    training_tokens: float,
+    step_s: float,
+    fit_s: float,
+    produce_s: float,
+    produced_samples: float,
+    produced_tokens: float,
+    now_s: float,
+    train_workers: int = 1,
+    rollout_workers: int = 1,
+) -> dict[str, float]:
+    """sgs / tgs = samples / tokens per second per worker (GPU, or process on CPU); ``counters``
+    already include this step's training samples and tokens."""
+    e2e_s = max(now_s - counters.started_s, 1e-9)
+    train, rollout = float(train_workers), float(rollout_workers)
+    return {
+        "throughput/e2e_effective_sgs": counters.samples / e2e_s / train,
+        "throughput/e2e_effective_tgs": counters.tokens / e2e_s / train,
+        "throughput/effective_sgs": training_samples / max(step_s, 1e-9) / train,
+        "throughput/effective_tgs": training_tokens / max(step_s, 1e-9) / train,
+        "throughput/training_tgs": training_tokens / max(fit_s, 1e-9) / train,
+        "throughput/rollout_sgs": produced_samples / produce_s / rollout if produce_s > 0 else 0.0,
+        "throughput/rollout_tgs": produced_tokens / produce_s / rollout if produce_s > 0 else 0.0,
+    }
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything ``log_step`` turns into the step's metrics."""
+
+    timings: dict[str, float]  # seconds by phase name, and ``step``
+    produce: dict[str, float]  # the produced batch's summary
+    data_info: dict[str, float]  # response/* statistics, training sample and token counts
+    fit_metrics: dict[str, float]
+    eval_metrics: dict[str, float]
+    counters: RunCounters  # before this step
+    links: dict[str, str] = field(default_factory=dict)  # for Prefect artifacts: trajectories, HF export...
+
+
+def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tuple[dict[str, float], RunCounters]:
+    """All metrics of one step under the reference's names (``time/``, ``response/``, ``throughput/``...),
+    and the run counters with this step added."""
+    timings, produce, data_info = record.timings, record.produce, record.data_info
+    fit_metrics, eval_metrics = record.fit_metrics, record.eval_metrics
+    counters = record.counters.after(samples=data_info["training_samples"], tokens=data_info["training_tokens"])
+    metrics = {f"time/{k}": v for k, v in timings.items()}
+    metrics.update({f"response/{k}": v for k, v in data_info.items()})
+    for key, value in fit_metrics.items():
+        metrics[key if "/" in key else f"train/{key}"] = value
+    if "entropy" in fit_metrics:
+        metrics["entropy/train"] = fit_metrics["entropy"]
+    metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+    metrics.update({k: v for k, v in produce.items() if k.startswith("trajectory/")})
+    metrics["rollout/failed_samples"] = produce["failed_samples"]
+    metrics["rollout/policy_version"] = produce["policy_version"]
+    metrics.update(
+        throughput_metrics(
+            counters,
+            training_samples=data_info["training_samples"],
+            training_tokens=data_info["training_tokens"],
+            step_s=timings["step"],
+            fit_s=timings.get("fit", 0.0),
+            produce_s=produce["produce_time_s"],
+            produced_samples=produce["produced_samples"],
+            produced_tokens=produce["produced_tokens"],
+            now_s=time.time() if now_s is None else now_s,
+        )
+    )
+    return metrics, counters

@@ -1,0 +1,162 @@
+"""What a run does, decided once: the run plan (resolved when the workers are up) and, from it, the
+plan of each step (which phases are due). Both runners, the Prefect flow on Ray and the in-process
+one, take every decision from here, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from engine.config import TrellisConfig
+from engine.run.metrics import RunCounters
+from engine.run.resume import StartPlan
+from engine.storage.checkpoints import write_json
+from engine.storage.lake import LakeError, stored_steps
+
+Role = Literal["controller", "trainer", "rollout"]
+ROLES: tuple[Role, ...] = ("controller", "trainer", "rollout")
+
+
+def roles_for(config: TrellisConfig) -> tuple[Role, ...]:
+    """The workers a run needs: debug_rollout starts no trainer, debug_train no rollout worker."""
+    if config.debug_rollout:
+        return ("controller", "rollout")
+    if config.debug_train:
+        return ("controller", "trainer")
+    return ROLES
+
+
+def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
+    """``total_train_steps``, or the steps ``total_epochs`` make of the dataset, or (``debug_train``
+    without either) one step per stored batch."""
+    if config.total_train_steps is not None:
+        return config.total_train_steps
+    if config.debug_train:
+        assert config.debug_rollout_dir is not None  # the config requires it in debug_train
+        steps = stored_steps(config.debug_rollout_dir, "train", config.storage_options)
+        if not steps:
+            raise LakeError(
+                f"debug_train found no stored batches under {config.debug_rollout_dir}/trajectories/split=train; "
+                "point debug_rollout_dir at a run folder (or a debug_rollout output)."
+            )
+        return max(steps)
+    assert config.total_epochs is not None  # the config validator guarantees one of the two
+    return max(1, dataset_size // config.train_batch_size * config.total_epochs)
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What a run's workers report once they are up, in either runner."""
+
+    dataset_size: int  # usable training prompts
+    pad_token_id: int
+    train_report: str  # rows read, used and skipped, by reason
+    applied_step: int  # the trainer's last applied step (0: none, or no trainer)
+    holds_state: bool  # a live worker already trained, synced weights or drew prompts
+    rollout_on_gpu: bool
+
+
+class RunPlan(BaseModel):
+    """Everything derived about a run, resolved once before its first step; frozen."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    total_steps: int
+    pad_token_id: int
+    roles: tuple[Role, ...]
+    rollout_on_gpu: bool
+    overlap_next_rollout: bool  # launch each step's rollout at the end of the previous step
+    start: StartPlan
+    counters: RunCounters  # the throughput counters the first step continues
+    initial_evaluation: bool
+    keeps_records: bool = True  # False: trajectories, metrics and checkpoints are not written (benchmarks)
+    train_report: str = ""
+
+    @property
+    def first_step(self) -> int:
+        return self.start.step + 1
+
+    @property
+    def trains_and_rolls(self) -> bool:
+        return "trainer" in self.roles and "rollout" in self.roles
+
+
+def resolve_run_plan(
+    config: TrellisConfig,
+    facts: WorkerFacts,
+    start: StartPlan,
+    counters: RunCounters,
+    *,
+    keeps_records: bool = True,
+) -> RunPlan:
+    roles = roles_for(config)
+    both = "trainer" in roles and "rollout" in roles
+    return RunPlan(
+        total_steps=resolve_total_steps(config, facts.dataset_size),
+        pad_token_id=facts.pad_token_id,
+        roles=roles,
+        rollout_on_gpu=facts.rollout_on_gpu,
+        overlap_next_rollout=config.cluster.overlaps_next_rollout(facts.rollout_on_gpu) and not config.debug_train,
+        start=start,
+        counters=counters,
+        initial_evaluation=config.enable_initial_evaluate and start.step == 0 and both,
+        keeps_records=keeps_records,
+        train_report=facts.train_report,
+    )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which phases one step runs; ``engine.run.step.run_step`` runs them in their order."""
+
+    step: int
+    batch_source: Literal["produce_batch", "load_batch"]  # load_batch: debug_train replays a stored batch
+    write_trajectories: bool
+    fit: bool
+    save_checkpoint: bool
+    export_hf: bool
+    sync_weights: bool
+    evaluate: bool
+    launch_next_rollout: bool  # start_rollout[step + 1] before this step's records
+
+
+def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
+    """Every due-decision of a step. Saves and evaluations fall on weight-sync steps (the config's
+    interval rules make sure of it); a debug mode leaves out the side it does not start."""
+    trains, rolls = "trainer" in plan.roles, "rollout" in plan.roles
+    synced = trains and rolls and step % config.sync_weights_interval == 0
+    records = plan.keeps_records
+    last = step == plan.total_steps
+    return StepPlan(
+        step=step,
+        batch_source="produce_batch" if rolls else "load_batch",
+        write_trajectories=records and rolls,
+        fit=trains,
+        save_checkpoint=records and trains and _checkpoint_due(config, step, last),
+        export_hf=records and trains and config.hf_interval not in (None, -1) and (step % config.hf_interval == 0 or last),
+        sync_weights=synced,
+        evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
+        launch_next_rollout=plan.overlap_next_rollout and rolls and not last,
+    )
+
+
+def _checkpoint_due(config: TrellisConfig, step: int, last: bool) -> bool:
+    """On the interval, and at the last step when it syncs weights (the run can then be extended)."""
+    if config.checkpoint_interval in (None, -1):
+        return False
+    return step % config.checkpoint_interval == 0 or (last and step % config.sync_weights_interval == 0)
+
+
+def run_plan_uri(config: TrellisConfig) -> str:
+    return f"{config.run_uri}/logs/run_plan.json"
+
+
+def record_run_plan(config: TrellisConfig, plan: RunPlan) -> str:
+    """Write the plan beside the run's logs (``logs/run_plan.json``): what the run resolved at its start,
+    for people and for the CLI's progress bar."""
+    uri = run_plan_uri(config)
+    write_json(plan.model_dump(mode="json"), uri, config.storage_options)
+    return uri

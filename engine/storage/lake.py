@@ -1,0 +1,170 @@
+"""The trajectory lake: every sample of every step as a Parquet row, through fsspec.
+
+Layout: ``{run}/trajectories/split={train|eval}/step=000012/part-0.parquet`` (Hive partitions, so
+``pyarrow.dataset`` and DuckDB read ``split`` and ``step`` as columns). A part is written to a
+temporary name and renamed into place, so a reader never sees half a file, and rewriting a step
+(a retried task) replaces its part instead of adding rows.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.data.samples import RolloutSample, Status
+
+SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("train_step", pa.int64()),
+        ("policy_version", pa.int64()),
+        ("rollout_id", pa.string()),
+        ("group_id", pa.string()),
+        ("session_id", pa.string()),
+        ("task_name", pa.string()),
+        ("data_source", pa.string()),
+        ("status", pa.string()),
+        ("finish_reason", pa.string()),
+        ("error_msg", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("label", pa.string()),
+        ("response", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("response_mask", pa.list_(pa.int8())),
+        ("reward", pa.float64()),
+        ("reward_payload", pa.string()),  # JSON: payloads differ in shape between reward functions
+        ("prompt_len", pa.int32()),
+        ("response_len", pa.int32()),
+        ("extra", pa.string()),  # JSON of the dataset's extra columns
+        ("agent", pa.string()),  # JSON of multi-turn agent fields, null for single-turn samples
+    ]
+)
+
+
+def partition_uri(run_uri: str, split: str, step: int) -> str:
+    return f"{run_uri.rstrip('/')}/trajectories/split={split}/step={step:06d}"
+
+
+def to_row(sample: RolloutSample, run: str) -> dict[str, Any]:
+    return {
+        "run": run,
+        "train_step": sample.train_step,
+        "policy_version": sample.policy_version,
+        "rollout_id": sample.rollout_id,
+        "group_id": sample.group_id,
+        "session_id": sample.session_id,
+        "task_name": sample.task_name,
+        "data_source": sample.data_source,
+        "status": sample.status.value,
+        "finish_reason": sample.finish_reason,
+        "error_msg": sample.error,
+        "prompt": sample.messages,
+        "label": None if sample.label is None else str(sample.label),
+        "response": sample.response,
+        "prompt_ids": sample.prompt_ids,
+        "response_ids": sample.response_ids,
+        "rollout_logprobs": sample.logprobs,
+        "response_mask": sample.response_mask,
+        "reward": sample.reward,
+        "reward_payload": json.dumps(sample.reward_payload, default=str),
+        "prompt_len": len(sample.prompt_ids),
+        "response_len": len(sample.response_ids),
+        "extra": json.dumps(sample.extra, default=str),
+        "agent": None,
+    }
+
+
+def write_samples(
+    samples: list[RolloutSample], *, run_uri: str, run: str, split: str, step: int, storage_options: dict[str, str] | None = None
+) -> str:
+    """Write one step's samples as one Parquet part; return the part's URI."""
+    table = pa.Table.from_pylist([to_row(s, run) for s in samples], schema=SCHEMA)
+    fs, folder = fsspec.core.url_to_fs(partition_uri(run_uri, split, step), **(storage_options or {}))
+    fs.makedirs(folder, exist_ok=True)
+    final = f"{folder}/part-0.parquet"
+    temporary = f"{folder}/.part-0.{uuid.uuid4().hex}.tmp"
+    with fs.open(temporary, "wb") as handle:
+        pq.write_table(table, handle)
+    fs.mv(temporary, final)
+    return f"{partition_uri(run_uri, split, step)}/part-0.parquet"
+
+
+class LakeError(RuntimeError):
+    """A lake partition is missing or cannot be turned back into samples."""
+
+
+def stored_steps(run_uri: str, split: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Steps that have a part in ``{run}/trajectories/split={split}``."""
+    fs, folder = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories/split={split}", **(storage_options or {}))
+    fs.invalidate_cache()
+    if not fs.exists(folder):
+        return []
+    steps = []
+    for entry in fs.ls(folder, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("step=") and fs.exists(f"{entry.rstrip('/')}/part-0.parquet"):
+            steps.append(int(name.removeprefix("step=")))
+    return sorted(steps)
+
+
+def read_groups(run_uri: str, split: str, step: int, storage_options: dict[str, Any] | None = None) -> list[list[RolloutSample]]:
+    """One stored step back as groups of samples, in the order they were produced: what
+    ``debug_train`` replays into training (token ids, rollout logprobs, rewards, statuses)."""
+    uri = f"{partition_uri(run_uri, split, step)}/part-0.parquet"
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if not fs.exists(path):
+        raise LakeError(f"No stored batch for step {step}: {uri} does not exist.")
+    with fs.open(path, "rb") as handle:
+        rows = pq.read_table(handle).to_pylist()
+    groups: dict[str, list[RolloutSample]] = {}
+    for row in sorted(rows, key=lambda r: r["rollout_id"]):
+        groups.setdefault(row["group_id"], []).append(from_row(row))
+    return list(groups.values())
+
+
+def from_row(row: dict[str, Any]) -> RolloutSample:
+    return RolloutSample(
+        rollout_id=row["rollout_id"],
+        group_id=row["group_id"],
+        session_id=row["session_id"],
+        prompt_index=-1,
+        messages=list(row["prompt"] or []),
+        prompt_ids=list(row["prompt_ids"]),
+        label=row["label"],
+        data_source=row["data_source"],
+        task_name=row["task_name"],
+        extra=json.loads(row["extra"] or "{}"),
+        response_ids=list(row["response_ids"]),
+        logprobs=list(row["rollout_logprobs"]),
+        response=row["response"],
+        finish_reason=row["finish_reason"],
+        response_mask=None if row["response_mask"] is None else list(row["response_mask"]),
+        status=Status(row["status"]),
+        error=row["error_msg"],
+        reward=row["reward"],
+        reward_payload=json.loads(row["reward_payload"] or "{}"),
+        policy_version=row["policy_version"],
+        train_step=row["train_step"],
+    )
+
+
+def summary(samples: list[RolloutSample]) -> dict[str, float]:
+    """The reference's per-step trajectory summary (reward and response-length statistics)."""
+    rewards = [s.reward for s in samples if s.reward is not None]
+    lengths = [float(len(s.response_ids)) for s in samples]
+
+    def stats(values: list[float], prefix: str) -> dict[str, float]:
+        if not values:
+            return {}
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+        return {f"{prefix}_mean": mean, f"{prefix}_std": std, f"{prefix}_max": max(values), f"{prefix}_min": min(values)}
+
+    return {**stats(rewards, "reward"), **stats(lengths, "response_len"), "total_len": float(len(samples))}

@@ -1,0 +1,112 @@
+"""Where a run's metrics go: ``metrics.jsonl`` (always) and TensorBoard events, through fsspec."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Protocol
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from engine.config import TrellisConfig
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """One JSON object per step in ``metrics.jsonl`` (any fsspec URI); flushed every step."""
+
+    def __init__(self, uri: str, storage_options: dict[str, str] | None = None) -> None:
+        self._uri = uri
+        self._fs, self._path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
+        self._lines: list[str] = []
+        if self._fs.exists(self._path):
+            with self._fs.open(self._path, "r") as handle:
+                self._lines = handle.read().splitlines()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        # Rewritten whole: object stores have no append, and a resumed run drops lines past its step.
+        self._lines = [line for line in self._lines if json.loads(line)["step"] < step]
+        self._lines.append(json.dumps({"step": step, **metrics}, sort_keys=True))
+        with self._fs.open(self._path, "w") as handle:
+            handle.write("\n".join(self._lines) + "\n")
+
+    def close(self) -> None:
+        """Every line is already written."""
+
+
+class TensorboardTracker:
+    """TensorBoard event files under ``log_dir`` (any fsspec URI).
+
+    TensorBoard's writer only knows local paths (and its own S3 client, which ignores
+    ``storage_options``), so for a remote ``log_dir`` it writes to a local staging folder that is
+    uploaded every ``upload_every_s`` seconds and on ``close``; metrics.jsonl stays the complete record.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        purge_step: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        upload_every_s: float = 30.0,
+    ) -> None:
+        """``purge_step``: a resumed run hides the events it is about to write again."""
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # needs the tensorboard package
+        )
+
+        self._fs, self._path = fsspec.core.url_to_fs(log_dir, **(storage_options or {}))
+        self._remote = not isinstance(self._fs, LocalFileSystem)
+        self._local = tempfile.mkdtemp(prefix="trellis-tensorboard-") if self._remote else self._path
+        self._writer = SummaryWriter(log_dir=self._local, purge_step=purge_step)
+        self._upload_every_s = upload_every_s
+        self._uploaded_s = time.monotonic()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+        if self._remote and time.monotonic() - self._uploaded_s >= self._upload_every_s:
+            self._upload()
+
+    def close(self) -> None:
+        self._writer.close()
+        if self._remote:
+            self._upload()
+            shutil.rmtree(self._local, ignore_errors=True)
+
+    def _upload(self) -> None:
+        self._fs.makedirs(self._path, exist_ok=True)
+        for name in os.listdir(self._local):
+            self._fs.put_file(os.path.join(self._local, name), f"{self._path}/{name}")
+        self._uploaded_s = time.monotonic()
+
+
+class Trackers:
+    """Every tracker of a run, built the same way by both runners: ``metrics.jsonl`` always, and
+    TensorBoard events when ``exp_tracker`` is ``tensorboard``. Built once per run start: a
+    resumed run (``first_step`` > 1) drops what it is about to write again."""
+
+    def __init__(self, config: TrellisConfig, first_step: int) -> None:
+        logs = f"{config.run_uri}/logs"
+        self._trackers: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
+        if config.exp_tracker == "tensorboard":
+            purge = first_step if first_step > 1 else None
+            self._trackers.append(TensorboardTracker(f"{logs}/tensorboard", purge, config.storage_options))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for tracker in self._trackers:
+            tracker.log(metrics, step)
+
+    def close(self) -> None:
+        for tracker in self._trackers:
+            tracker.close()

@@ -1,0 +1,208 @@
+"""Group training sequences into micro-batches of at most ``pack_max_length`` tokens, and lay them out.
+
+Which sequences share a micro-batch is decided by the token budget (in order where the layout shares
+prompts, first-fit decreasing otherwise). How the micro-batch is laid out for the model is a separate
+choice:
+
+- ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
+  (``engine.train.varlen_attention``). No pad token is computed; the layout for GPUs.
+- ``to_padded``: right-padded rows, the plain layout every attention implementation runs.
+- ``engine.train.shared_prefix``: each distinct prompt once, its KV cache shared by its group's samples.
+
+Every layout keeps labels, advantages and rollout logprobs as right-padded [N, L] rows, which the
+losses reduce per token or per sequence, and returns the hidden states of the K labelled positions
+in row-major order of ``loss_mask_NL`` (``label_hidden``), at the precomputed ``label_index_K``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields, replace
+from typing import Self
+
+import torch
+
+from engine.data.prepare import IGNORE, TrainSequence
+
+
+class LabelRows:
+    """What every layout shares: its labels as right-padded [N, L] rows."""
+
+    labels_NL: torch.Tensor
+
+    @property
+    def loss_mask_NL(self) -> torch.Tensor:
+        return self.labels_NL != IGNORE
+
+    @property
+    def num_sequences(self) -> int:
+        return self.labels_NL.size(0)
+
+    def to(self, device: torch.device) -> Self:
+        """The same layout with every tensor on ``device`` (layouts are dataclasses)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: value.to(device) for name, value in values.items() if isinstance(value, torch.Tensor)})
+
+
+@dataclass
+class MicroBatch(LabelRows):
+    """Right-padded rows. N sequences, L = longest sequence."""
+
+    input_ids_NL: torch.Tensor
+    attention_mask_NL: torch.Tensor
+    labels_NL: torch.Tensor
+    advantages_NL: torch.Tensor
+    rollout_logprobs_NL: torch.Tensor
+    sequence_indices: list[int]  # positions of these sequences in the mini-batch
+    label_index_K: torch.Tensor  # row-major positions of the K labels in [N, L]
+
+    def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        """Last hidden states of the labelled positions: [K, H]."""
+        hidden_NLH = decoder(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).last_hidden_state
+        return hidden_NLH.flatten(0, 1).index_select(0, self.label_index_K)
+
+
+def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
+    """Row-major positions of the trained labels, computed once on CPU so the GPU loop needs no sync."""
+    return (labels_NL.flatten() != IGNORE).nonzero().squeeze(1)
+
+
+def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bool = True) -> list[list[int]]:
+    """Indices of ``sequences`` per micro-batch, each holding at most ``pack_max_length`` tokens.
+
+    keep_order: fill one micro-batch after another in the given order, so that a group's samples stay
+    together (as ``shared_prefix`` needs). Otherwise first-fit decreasing, which fills micro-batches
+    tighter: fewer of them, and less padding where rows are padded.
+    """
+    for sequence in sequences:
+        if sequence.num_tokens > pack_max_length:
+            raise ValueError(
+                f"A sequence of {sequence.num_tokens} tokens exceeds pack_max_length={pack_max_length}; "
+                "raise train_worker.pack_max_length or lower max_prompt_length / max_new_tokens."
+            )
+    if keep_order:
+        return _fill_in_order(sequences, pack_max_length)
+    return _first_fit_decreasing(sequences, pack_max_length)
+
+
+def _fill_in_order(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, sequence in enumerate(sequences):
+        if used + sequence.num_tokens > pack_max_length and current:
+            packs.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += sequence.num_tokens
+    if current:
+        packs.append(current)
+    return packs
+
+
+def _first_fit_decreasing(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(sequences)), key=lambda i: -sequences[i].num_tokens):
+        need = sequences[index].num_tokens
+        target = next((b for b, free in enumerate(room) if free >= need), None)
+        if target is None:
+            packs.append([])
+            room.append(pack_max_length)
+            target = len(packs) - 1
+        packs[target].append(index)
+        room[target] -= need
+    return [sorted(indices) for indices in packs]
+
+
+def to_padded(sequences: list[TrainSequence], indices: list[int], pad_id: int) -> MicroBatch:
+    chosen = [sequences[i] for i in indices]
+    width = max(seq.num_tokens for seq in chosen)
+    shape = (len(chosen), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    attention = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, IGNORE, dtype=torch.long)
+    advantages = torch.zeros(shape, dtype=torch.float32)
+    rollout_logprobs = torch.zeros(shape, dtype=torch.float32)
+    for row, seq in enumerate(chosen):
+        n = seq.num_tokens
+        input_ids[row, :n] = torch.tensor(seq.input_ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.tensor(seq.labels)
+        advantages[row, :n] = torch.tensor(seq.advantages)
+        rollout_logprobs[row, :n] = torch.tensor(seq.rollout_logprobs)
+    return MicroBatch(input_ids, attention, labels, advantages, rollout_logprobs, list(indices), label_index(labels))
+
+
+@dataclass
+class PackedBatch(LabelRows):
+    """One row of T tokens holding N sequences; ``cu_seq_lens`` [N + 1] marks where each starts (a row
+    of fixed shape also holds a pad sequence and empty ones, see ``to_packed``)."""
+
+    input_ids_1T: torch.Tensor
+    position_ids_1T: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    label_positions_K: torch.Tensor  # where the K labels sit in the row
+    labels_NL: torch.Tensor
+    advantages_NL: torch.Tensor
+    rollout_logprobs_NL: torch.Tensor
+    sequence_indices: list[int]
+    label_index_K: torch.Tensor
+
+    def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        hidden_1TH = decoder(
+            input_ids=self.input_ids_1T,
+            position_ids=self.position_ids_1T,
+            cu_seq_lens_q=self.cu_seq_lens,
+            cu_seq_lens_k=self.cu_seq_lens,
+            max_length_q=self.max_length,
+            max_length_k=self.max_length,
+        ).last_hidden_state
+        # Sequences follow each other in the row, so the packed order of labelled positions is the
+        # row-major order of the [N, L] labels.
+        return hidden_1TH[0].index_select(0, self.label_positions_K)
+
+
+def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int, *, row_length: int | None = None) -> PackedBatch:
+    """The sequences end to end in one row.
+
+    row_length: give every micro-batch the same shapes, as CUDA graphs need. The row is filled up to
+    ``row_length`` with one pad sequence that no label reads, ``cu_seq_lens`` grows to a power-of-two
+    size with empty sequences (so a handful of sizes serve every micro-batch), and ``max_length`` is
+    ``row_length``. The pad tokens are computed.
+    """
+    chosen = [sequences[i] for i in indices]
+    lengths = [seq.num_tokens for seq in chosen]
+    tokens = [token for seq in chosen for token in seq.input_ids]
+    max_length = max(lengths)
+    bounds = [0, *itertools.accumulate(lengths)]
+    positions = [torch.arange(n) for n in lengths]
+    if row_length is not None:
+        fill = row_length - bounds[-1]
+        if fill < 0:
+            raise ValueError(f"{bounds[-1]} tokens do not fit a row of {row_length}.")
+        if fill:
+            tokens += [pad_id] * fill
+            positions.append(torch.arange(fill))
+            bounds.append(row_length)
+        bounds += [row_length] * (_next_power_of_two(len(bounds)) - len(bounds))
+        max_length = row_length
+    padded = to_padded(sequences, indices, pad_id)
+    labels = torch.tensor([label for seq in chosen for label in seq.labels], dtype=torch.long)
+    return PackedBatch(
+        input_ids_1T=torch.tensor([tokens], dtype=torch.long),
+        position_ids_1T=torch.cat(positions).unsqueeze(0),
+        cu_seq_lens=torch.tensor(bounds, dtype=torch.int32),
+        max_length=max_length,
+        label_positions_K=label_index(labels),
+        labels_NL=padded.labels_NL,
+        advantages_NL=padded.advantages_NL,
+        rollout_logprobs_NL=padded.rollout_logprobs_NL,
+        sequence_indices=list(indices),
+        label_index_K=padded.label_index_K,
+    )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()

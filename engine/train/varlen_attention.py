@@ -1,0 +1,91 @@
+"""Attention over packed rows: many sequences in one row, each attending only to itself.
+
+The packed layout puts the sequences of a micro-batch end to end in a single row, with positions
+restarting at every sequence and ``cu_seq_lens`` marking the boundaries. Registered with
+transformers as ``trellis_varlen``, so no [T, T] mask is ever built and no pad token is computed.
+
+On CUDA with bf16/fp16 inputs it runs PyTorch's flash-attention varlen kernel (forward and backward);
+elsewhere it runs causal SDPA on each sequence in turn, which gives the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from engine.compat import FLASH_VARLEN_PARAMS as _FLASH_PARAMS
+from engine.compat import flash_varlen_attention as _flash_varlen
+
+NAME = "trellis_varlen"
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention)."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None or query.size(0) != 1:
+        raise ValueError(
+            f"{NAME} attention runs packed rows only: one row with cu_seq_lens_q/max_length_q passed to the model."
+        )
+    if _flash_varlen is not None and query.is_cuda:
+        dtype = _half_dtype(query)
+        if dtype is not None:
+            q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+            return _flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
+    return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling), None
+
+
+def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype to run flash attention in, or None to stay exact in float32.
+
+    Under autocast, rotary embeddings computed in float32 promote q and k to float32; autocast would
+    have run SDPA in its low-precision dtype, so the flash kernel does the same.
+    """
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _flash(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling) -> torch.Tensor:
+    cu = cu_seq_lens.to(device=q_THD.device, dtype=torch.int32)
+    options = {"scale": scaling}
+    if q_THD.size(1) != k_THD.size(1):
+        if "enable_gqa" in _FLASH_PARAMS:
+            options["enable_gqa"] = True
+        else:
+            groups = q_THD.size(1) // k_THD.size(1)
+            k_THD, v_THD = k_THD.repeat_interleave(groups, dim=1), v_THD.repeat_interleave(groups, dim=1)
+    if "is_causal" in _FLASH_PARAMS:
+        options["is_causal"] = True
+    else:
+        options["window_size"] = (-1, 0)
+    return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, max_length, max_length, **options)
+
+
+def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
+    gqa = query.size(1) != key.size(1)
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        for start, end in zip(bounds[:-1], bounds[1:])
+        if end > start  # rows of fixed shape end with empty sequences
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def use_varlen_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` (and its sub-models) to packed-row attention."""
+    AttentionInterface.register(NAME, varlen_attention)
+    model.set_attn_implementation(NAME)

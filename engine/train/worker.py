@@ -1,0 +1,315 @@
+"""The training worker: a plain class that owns the policy, its optimizer and the PPO-style update.
+
+It is used in-process by ``engine.run.local`` and wrapped as a Ray actor by the orchestration layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.algo.losses import (
+    aggregate,
+    mismatch_sums,
+    policy_objective,
+    rollout_is_weights,
+)
+from engine.compat import enable_activation_checkpointing
+from engine.config import TrainWorkerConfig, TrellisConfig
+from engine.data.prepare import PreparedBatch, TrainSequence
+from engine.devices import resolve_device
+from engine.rng import capture_rng, restore_rng
+from engine.storage.checkpoints import (
+    CheckpointError,
+    downloaded,
+    exists,
+    load_object,
+    staging_folder,
+    untied_state_dict,
+)
+from engine.train import fsdp
+from engine.train.compile import compile_decoder
+from engine.train.logprob_head import Policy, output_head
+from engine.train.packing import MicroBatch, PackedBatch, pack, to_packed, to_padded
+from engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
+from engine.train.tally import (
+    Tally,
+    average,
+    lr_factor,
+    mini_batch_metrics,
+    split_evenly,
+)
+from engine.train.varlen_attention import use_varlen_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """What one ``fit`` reports: per-mini-batch metrics and step-level averages."""
+
+    step: int
+    mini_batch_metrics: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+Layout = MicroBatch | PackedBatch | SharedPrefixBatch
+LAYOUTS = {"packed": to_packed, "padded": to_padded, "shared_prefix": to_shared_prefix}
+
+
+class StepAlreadyApplied(RuntimeError):
+    """``fit`` was called again for a step whose update is already in the weights."""
+
+
+class TrainingWorker:
+    def __init__(self, config: TrellisConfig, *, total_train_steps: int, pad_token_id: int) -> None:
+        self._config = config
+        self._device = resolve_device(config.train_worker.device)
+        worker = config.train_worker
+        bf16 = self._device.type == "cuda" and worker.dtype in ("auto", "bfloat16")
+        self._fsdp = worker.fsdp
+        # Parameters and AdamW states stay float32. On GPU the compute runs in bf16: through FSDP2's
+        # mixed-precision policy, or else under autocast.
+        self._autocast = bf16 and not self._fsdp
+        self._temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+        self.model = AutoModelForCausalLM.from_pretrained(config.load_from, dtype=torch.float32).to(self._device)
+        output_head(self.model)  # refuses models whose logits are not head(hidden state)
+        self._layout = choose_layout(worker, self._device)
+        if self._layout == "packed":
+            use_varlen_attention(self.model)
+        if worker.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self._cuda_graphs = worker.cuda_graphs and self._device.type == "cuda"
+        if worker.cuda_graphs and not self._cuda_graphs:
+            logger.warning("train_worker.cuda_graphs has no effect on %s; the decoder is compiled without them.", self._device)
+        if worker.compile:
+            compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs)
+        self.model.config.use_cache = False
+        self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
+        self.policy = self._policy(self.model)
+        if self._fsdp:
+            fsdp.shard(self.policy, self.model.get_decoder().layers, self._device, torch.bfloat16 if bf16 else None)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            foreach=self._device.type == "cpu",
+            fused=self._device.type == "cuda",
+        )
+        total_optimizer_steps = total_train_steps * config.train_worker.optimizer_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(
+                s, warmup=optim.warmup_steps, total=total_optimizer_steps, kind=optim.lr_scheduler, min_ratio=optim.min_lr_ratio
+            ),
+        )
+        self._pad_id = pad_token_id
+        self.applied_step = 0
+
+    # -- the update ---------------------------------------------------------------------------------
+
+    def fit(self, batch: PreparedBatch, step: int) -> FitResult:
+        """Apply one rollout batch as ``optimizer_steps`` PPO mini-batch updates."""
+        if step <= self.applied_step:
+            raise StepAlreadyApplied(f"Step {step} is already applied (weights are at step {self.applied_step}).")
+        result = FitResult(step=step)
+        if not batch.sequences:
+            logger.warning("Step %d has no valid training sequences; the weights are left unchanged.", step)
+            self.applied_step = step
+            return result
+        self.model.train()
+        mini_batches = split_evenly(batch.sequences, self._config.train_worker.optimizer_steps)
+        # With one mini-batch the policy is still the rollout-time policy when the loss is taken, so
+        # the "old" logprobs are the current ones detached and need no extra forward pass.
+        needs_old = len(mini_batches) > 1
+        micro_per_mini = [self._micro_batches(seqs) for seqs in mini_batches]
+        # Old and reference logprobs are taken for the whole batch before the first update.
+        old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
+        ref = None
+        if self._reference is not None:
+            ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
+        for index, micro in enumerate(micro_per_mini):
+            metrics = self._update(micro, old[index] if old else None, ref[index] if ref else None)
+            result.mini_batch_metrics.append(metrics)
+        result.metrics = average(result.mini_batch_metrics)
+        self.applied_step = step
+        return result
+
+    def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
+        layout = self._layout
+        if layout == "shared_prefix" and not can_share(sequences):
+            layout = "padded"
+        budget = self._config.train_worker.pack_max_length
+        lay_out = LAYOUTS[layout]
+        if layout == "packed" and self._cuda_graphs:
+            lay_out = functools.partial(to_packed, row_length=budget)
+        packs = pack(sequences, budget, keep_order=layout == "shared_prefix")
+        return [lay_out(sequences, indices, self._pad_id).to(self._device) for indices in packs]
+
+    def _policy(self, model: torch.nn.Module) -> Policy:
+        return Policy(model, temperature=self._temperature, chunk_tokens=self._config.train_worker.logprob_chunk_tokens)
+
+    def _token_logprobs(self, policy: Policy, batch: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cuda_graphs:
+            # Each micro-batch is a new iteration of the graphs: the previous one's outputs (its
+            # forward's, or a backward's that has run) may be overwritten.
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            return policy(batch)
+
+    def _update(self, micro: list[Layout], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
+        loss_config = self._config.loss
+        total_tokens = float(sum(m.label_index_K.numel() for m in micro))
+        total_sequences = float(sum(m.num_sequences for m in micro))
+        tally = Tally()
+        if self._cuda_graphs:
+            # The first backward would keep its gradients as .grad, in memory its graph overwrites when
+            # it replays for the next micro-batch; into buffers of their own they are added instead.
+            for param in self.model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        for index, batch in enumerate(micro):
+            mask = batch.loss_mask_NL
+            logprobs, entropy = self._token_logprobs(self.policy, batch)
+            old_logprobs = old[index] if old is not None else logprobs.detach()
+            is_weights = None
+            if loss_config.rollout_is.level != "none":
+                is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
+                tally.add("rollout_is/weight_sum", is_stats["weight_sum"])
+                tally.add("rollout_is/rejected", is_stats["rejected"])
+                tally.max("rollout_is/max", is_stats["weight_max"])
+                tally.min("rollout_is/min", is_stats["weight_min"])
+            pg_loss, kl, counts = policy_objective(
+                logprobs,
+                old_logprobs,
+                batch.advantages_NL,
+                mask,
+                loss_config,
+                is_weights_NL=is_weights,
+                ref_logprobs_NL=ref[index] if ref is not None else None,
+            )
+            reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
+            loss = aggregate(pg_loss, mask, **reduce)
+            tally.add("pg_loss", loss)
+            if kl is not None:
+                kl_loss = aggregate(kl, mask, **reduce)
+                loss = loss + loss_config.kl_coef * kl_loss
+                tally.add("kl", kl_loss)
+            loss.backward()
+            for name, value in counts.items():
+                tally.add(name, value)
+            tally.add("entropy_sum", entropy.sum())
+            for name, value in mismatch_sums(old_logprobs.detach(), batch.rollout_logprobs_NL, mask).items():
+                if name.endswith("_max"):
+                    tally.max(f"mismatch/{name}", value)
+                else:
+                    tally.add(f"mismatch/{name}", value)
+        grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("Non-finite grad norm %s: this mini-batch's update is skipped.", float(grad_norm))
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mini_batch_metrics(*tally.values(), total_tokens, float(grad_norm), lr)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
+        return self._token_logprobs(policy, batch)[0]
+
+    def _build_reference(self, bf16: bool) -> Policy:
+        """The initial policy, frozen, for the KL penalty; kept in bf16 when the compute is bf16."""
+        reference = copy.deepcopy(self.model).eval()
+        reference.requires_grad_(False)
+        if bf16 and self._fsdp:
+            reference.to(torch.bfloat16)
+        return self._policy(reference)
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights by name (detached views; the receiver copies them): for the rollout backend,
+        checkpoints and HF exports alike, sharded or not."""
+        return fsdp.full_tensors(self.model.state_dict())
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
+        """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
+        tensors, aliases = untied_state_dict(self.export_weights())
+        with staging_folder(uri, storage_options) as folder:
+            save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
+            if save_optimizer:
+                torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
+            state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+            torch.save(state, f"{folder}/trainer.pt")
+
+    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
+        """Restore what ``save_checkpoint`` wrote; returns the checkpoint's step."""
+        uri = uri.rstrip("/")
+        with downloaded(f"{uri}/model.safetensors", storage_options) as local:
+            with safe_open(local, framework="pt") as handle:
+                aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
+            missing, unexpected = fsdp.load_model_state(self.model, load_file(local, device=str(self._device)))
+        if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
+            raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
+        state = load_object(f"{uri}/trainer.pt", storage_options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if load_optimizer:
+            if not exists(f"{uri}/optimizer.pt", storage_options):
+                raise CheckpointError(
+                    f"{uri} holds no optimizer state (saved with checkpoint_no_save_optimizer); set "
+                    "load_checkpoint_cfg.load_optimizer_states=false to start with fresh AdamW moments."
+                )
+            fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
+        else:
+            self.optimizer.state.clear()
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        restore_rng(state["rng"])
+        self.applied_step = int(state["applied_step"])
+        return self.applied_step
+
+    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+        """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
+        with staging_folder(uri, storage_options) as folder:
+            self.model.save_pretrained(folder, state_dict=self.export_weights(), safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state to CPU (a no-op on CPU, or with offload_when_idle off)."""
+        if self._config.train_worker.offload_when_idle:
+            self._move(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move(self._device)
+
+    def _move(self, device: torch.device) -> None:
+        if self._device.type == "cpu":
+            return
+        self.policy.to(device)  # the FSDP root, which re-registers its sharded parameters after the move
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+
+def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:
+    if worker.layout != "auto":
+        return worker.layout
+    if device.type == "cuda":
+        return "packed"
+    return "padded" if worker.gradient_checkpointing else "shared_prefix"

@@ -1,0 +1,54 @@
+"""The phases of ``engine.run.step`` as Prefect tasks: inside a step's flow run, every phase is a named
+task run (``fit[step=12]``), and ``write_trajectories`` runs beside ``prepare_data`` and ``fit``."""
+
+from __future__ import annotations
+
+from engine.config import TrellisConfig
+from engine.run.metrics import RunCounters, StepRecord
+from engine.run.step import Batch, Evaluation, Logged, Pending, Prepared
+from tasks import log_step as log_tasks
+from tasks import step_tasks as tasks
+
+
+class TaskPhases:
+    def __init__(self, config: TrellisConfig) -> None:
+        self._config = config
+
+    def produce_batch(self, step: int) -> Batch:
+        return tasks.produce_batch(self._config, step)
+
+    def load_batch(self, step: int) -> Batch:
+        return tasks.load_batch(self._config, step)
+
+    def write_trajectories(self, step: int, batch: Batch) -> Pending[str]:
+        return tasks.write_trajectories.submit(self._config, step, batch)
+
+    def prepare_data(self, step: int, batch: Batch) -> Prepared:
+        return tasks.prepare_data(self._config, step, batch)
+
+    def fit(self, step: int, prepared: Prepared) -> dict[str, float]:
+        return tasks.fit(self._config, step, prepared)
+
+    def save_checkpoint(self, step: int) -> str:
+        return tasks.save_checkpoint(self._config, step)
+
+    def export_hf(self, step: int) -> str:
+        return tasks.export_hf(self._config, step)
+
+    def sync_weights(self, step: int) -> None:
+        tasks.sync_weights(self._config, step)
+
+    def evaluate(self, step: int) -> Evaluation:
+        return tasks.evaluate(self._config, step)
+
+    def start_rollout(self, step: int) -> None:
+        tasks.start_rollout(self._config, step)
+
+    def log_step(self, step: int, record: StepRecord) -> Logged:
+        return log_tasks.log_step(self._config, step, record)
+
+    def commit_checkpoint(self, step: int, counters: RunCounters) -> str:
+        return tasks.commit_checkpoint(self._config, step, counters)
+
+    def log_evaluation(self, step: int, evaluation: Evaluation) -> dict[str, float]:
+        return log_tasks.log_evaluation(self._config, step, evaluation)

@@ -1,0 +1,69 @@
+"""The tasks around a run's steps: attach to its workers, decide where it starts (the run plan), and
+release the workers at the end."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
+
+from engine.cluster.head import connect
+from engine.cluster.phases import ClusterPhases
+from engine.cluster.workers import RunWorkers
+from engine.config import TrellisConfig
+from engine.run.metrics import RunCounters
+from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
+from engine.run.resume import plan_start, record_owner, started_by
+from engine.secrets import install_log_redaction, write_runtime_environment
+from engine.storage.checkpoints import require_complete
+from tasks.artifacts import artifact_key
+from tasks.step_tasks import NOT_STORED
+
+
+@task(name="attach_workers", retries=2, retry_delay_seconds=2, **NOT_STORED)
+def attach_workers(config: TrellisConfig) -> WorkerFacts:
+    """Connect to the cluster and get (or create) the run's named actors; report where they stand."""
+    install_log_redaction(config.storage_options)
+    address = connect(config.cluster)
+    write_runtime_environment(config.run_uri, config.storage_options)
+    facts = RunWorkers(config).attach()
+    get_run_logger().info("Workers on %s; train prompts: %s", address, facts.train_report)
+    return facts
+
+
+@task(name="restore_checkpoint", retries=1, retry_delay_seconds=2, **NOT_STORED)
+def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) -> RunPlan:
+    """Decide where the run starts (``engine.run.resume.plan_start``), bring the workers there, and
+    resolve the run plan every step follows. The flow run's retry resumes from the latest complete
+    checkpoint, but only if the failed attempt got past this decision (a refused fresh start stays
+    refused)."""
+    attempt = str(flow_run.get_id())
+    resume = resume or (flow_run.get_run_count() > 1 and started_by(config, attempt))
+    start = plan_start(config, resume=resume, applied_step=facts.applied_step, workers_used=facts.holds_state)
+    RunWorkers(config).restore(start)
+    state = require_complete(start.checkpoint, config.storage_options) if start.checkpoint is not None else None
+    plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
+    ClusterPhases(config).open_trackers(plan.first_step)
+    record_run_plan(config, plan)
+    record_owner(config, attempt)
+    logger = get_run_logger()
+    if start.action != "fresh":
+        logger.info("Start: %s at step %d %s", start.action, start.step, start.checkpoint or "")
+    if plan.first_step > plan.total_steps:
+        logger.info("The run is already at step %d of %d: nothing to train.", start.step, plan.total_steps)
+    create_table_artifact(
+        key=artifact_key(config, "run-plan"),
+        table=[{"field": k, "value": str(v)} for k, v in plan.model_dump().items()],
+        description=f"{config.experiment_name}: the run plan",
+    )
+    return plan
+
+
+@task(name="release_workers", **NOT_STORED)
+def release_workers(config: TrellisConfig) -> None:
+    RunWorkers(config).release()
+
+
+@task(name="close_trackers", **NOT_STORED)
+def close_trackers(config: TrellisConfig) -> None:
+    ClusterPhases(config).close_trackers()
