@@ -14,6 +14,7 @@ def test_unknown_key_and_negative_interval_are_reported_without_traceback(tmp_pa
     result = trellis("train", str(config))
     assert result.returncode == 2
     assert "did you mean 'train_batch_size'" in result.stderr
+    assert "checkpoint_interval must be positive, or -1 / null to disable it; got -3" in result.stderr  # not hidden
     assert "Traceback" not in result.stderr
 
 
@@ -57,3 +58,20 @@ def test_in_process_training_needs_no_cluster(tmp_path, tiny_model, reverse_data
     )
     assert result.returncode == 0, result.stderr
     assert "eval accuracy" in result.stdout
+
+
+def test_a_run_sized_in_epochs_shows_its_total_steps(tmp_path, tiny_model, ray_cluster):
+    """total_epochs instead of total_train_steps: the progress bar's total comes from the run plan
+    (32 prompts, 16 a step, 1 epoch: 2 steps), not from the unset total_train_steps."""
+    from engine.tiny.reverse_task import write_dataset
+
+    data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
+    result = trellis(
+        "train", "configs/tiny_reverse.yaml",
+        "--set", f"load_from={tiny_model}", "--set", f"train_dataset.path={data}", "--set", "eval_dataset=null",
+        "--set", "enable_evaluate=false", "--set", "enable_initial_evaluate=false",
+        "--set", "total_train_steps=null", "--set", "total_epochs=1", "--set", f"work_dir={tmp_path}/runs",
+        "--set", f"cluster.address={ray_cluster['address']}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2/2" in result.stdout and "None" not in result.stdout

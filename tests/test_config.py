@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.config_loading import ConfigError, load_config
+from engine.config.loading import ConfigError, load_config
 
 BASE = {"load_from": "/models/tiny", "train_dataset": {"path": "train.parquet"}, "total_train_steps": 10}
 
@@ -104,3 +104,22 @@ def test_bad_files_and_overrides_say_what_is_wrong(tmp_path):
 def test_the_next_rollout_overlaps_the_records_by_default_only_when_it_generates_on_a_gpu(setting, on_gpu, on_cpu):
     cluster = load_config(None, **BASE, cluster={"overlap_next_rollout": setting}).cluster
     assert (cluster.overlaps_next_rollout(rollout_on_gpu=True), cluster.overlaps_next_rollout(rollout_on_gpu=False)) == (on_gpu, on_cpu)
+
+
+def test_an_unknown_key_does_not_hide_the_other_problems():
+    """Tried: a misspelt key, a checkpoint interval that is not a multiple of the sync interval and an
+    evaluation without an eval_dataset, in one config. pydantic stops at the unknown key before the
+    cross-field rules run; all three are reported, one line each."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, **{**BASE, "train_batch_sise": 4, "sync_weights_interval": 2, "checkpoint_interval": 3, "evaluate_step": 2,
+                             "enable_evaluate": True})
+    message = str(error.value)
+    assert message.startswith("Invalid configuration (3 problem(s)):")
+    assert "  - train_batch_sise: unknown key; did you mean 'train_batch_size'?" in message
+    assert "  - config: checkpoint_interval=3 must be a multiple of sync_weights_interval=2" in message
+    assert "  - config: Evaluation is enabled but eval_dataset is not set" in message
+
+
+def test_a_key_xtuner_has_and_trellis_does_not_yet_says_so():
+    with pytest.raises(ConfigError, match="checkpoint_no_save_replay_buffer: no replay buffer exists"):
+        load_config(None, **{**BASE, "checkpoint_no_save_replay_buffer": True})

@@ -1,4 +1,7 @@
-"""Imports go one way (deployments -> flows -> tasks -> engine); engine works without Prefect."""
+"""The house rules a reader relies on, checked by parsing imports: deployments -> flows -> tasks ->
+engine; Ray only in engine/cluster; vLLM only in its backend; no transformers in engine/algo;
+Prefect only in flows/, tasks/ and deployments/; flows take from the engine only its configs, plans
+and result types (the step's order included: it is the engine's, ``engine.run.step``)."""
 
 import ast
 from pathlib import Path
@@ -6,28 +9,66 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {
-    "engine": {"prefect", "tasks", "flows", "deployments"},
-    "tasks": {"flows", "deployments"},
-    "flows": {"torch", "deployments"},
-}
+LAYERS = ("engine", "tasks", "flows", "deployments")
+FLOWS_MAY_IMPORT = {"engine.config", "engine.run.plan", "engine.run.step", "engine.run.metrics"}
 
 
-def imported_roots(path: Path) -> set[str]:
-    roots = set()
+def imported_modules(path: Path) -> set[str]:
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+            names.add(node.module)
+    return names
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_point_down(layer):
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(imported_roots(path) & FORBIDDEN[layer])
-        for path in (ROOT / layer).rglob("*.py")
-        if imported_roots(path) & FORBIDDEN[layer]
-    }
-    assert offenders == {}
+def sources(*folders: str) -> list[Path]:
+    return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def offenders(paths: list[Path], forbidden) -> dict[str, list[str]]:
+    found = {}
+    for path in paths:
+        bad = sorted(name for name in imported_modules(path) if forbidden(name))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+def root_of(name: str) -> str:
+    return name.split(".")[0]
+
+
+@pytest.mark.parametrize(
+    "layer, forbidden_roots",
+    [
+        ("engine", {"prefect", "tasks", "flows", "deployments"}),
+        ("tasks", {"flows", "deployments", "ray"}),
+        ("flows", {"torch", "ray", "deployments"}),
+        ("deployments", {"ray"}),
+    ],
+)
+def test_layer_imports_point_down(layer, forbidden_roots):
+    assert offenders(sources(layer), lambda name: root_of(name) in forbidden_roots) == {}
+
+
+def test_ray_is_imported_only_by_the_cluster_package():
+    outside = [path for path in sources(*LAYERS) if not path.is_relative_to(ROOT / "engine" / "cluster")]
+    assert offenders(outside, lambda name: root_of(name) == "ray") == {}
+
+
+def test_vllm_is_imported_only_by_its_backend():
+    outside = [path for path in sources(*LAYERS) if path != ROOT / "engine" / "rollout" / "vllm_backend.py"]
+    assert offenders(outside, lambda name: root_of(name) == "vllm") == {}
+
+
+def test_algorithms_are_pure_torch():
+    assert offenders(sources("engine/algo"), lambda name: root_of(name) in {"transformers", "ray", "fsspec"}) == {}
+
+
+def test_flows_take_only_configs_plans_and_result_types_from_the_engine():
+    def forbidden(name: str) -> bool:
+        return root_of(name) == "engine" and not any(name == allowed or name.startswith(f"{allowed}.") for allowed in FLOWS_MAY_IMPORT)
+
+    assert offenders(sources("flows"), forbidden) == {}

@@ -1,0 +1,62 @@
+"""The two runners follow one plan. The same seeded, deterministic config, run in this process
+(``LocalRun``) and as Prefect flow runs driving Ray actors (``rl_train``), writes identical trajectory
+rows (token ids, logprobs, rewards, policy versions), identical non-time metrics per step, and runs
+the same phases in the same order: the flow's task runs, step by step, are the in-process phases."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+
+from engine.run.local import LocalRun
+from flows.rl_train import rl_train
+from helpers import lake_rows, logged_metrics, tiny_config
+
+
+async def _phases_by_step(run_name: str) -> dict[int, list[str]]:
+    """The task runs of each ``rl_step`` flow run under the ``rl_run`` named ``run_name``, by start time."""
+    async with get_client() as client:
+        (run,) = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [run_name]}))
+        steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [run.id]}))
+        phases = {}
+        for step in steps:
+            tasks = await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [step.id]}))
+            ordered = sorted(tasks, key=lambda task: task.start_time)
+            phases[int(step.name.split("=")[1].rstrip("]"))] = [task.name.split("[")[0] for task in ordered]
+        return phases
+
+
+def _in_order(phases: list[str]) -> list[str]:
+    """write_trajectories runs beside prepare_data and fit, so its start may fall on either side."""
+    return [phase for phase in phases if phase != "write_trajectories"]
+
+
+def test_the_in_process_run_and_the_flow_run_are_the_same_run(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    changes = dict(
+        total_train_steps=3, sync_weights_interval=1, evaluate_step=2, checkpoint_interval=2, hf_interval=3,
+        deterministic=True, cluster={"address": ray_cluster["address"], "overlap_next_rollout": True},
+    )
+    local = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="parity_local", **changes)
+    with LocalRun(local) as run:
+        reports = run.run()
+    flow = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="parity_flow", **changes)
+    rl_train(flow)
+
+    assert len(lake_rows(local)) == 3 * 128
+    assert lake_rows(local) == lake_rows(flow)
+    assert lake_rows(local, "eval") == lake_rows(flow, "eval")
+    assert sorted(logged_metrics(local)) == [0, 1, 2, 3]
+    assert logged_metrics(local) == logged_metrics(flow)
+
+    flow_phases = asyncio.run(_phases_by_step("rl_run[parity_flow]"))
+    local_phases = {report.step: list(report.phases) for report in reports if report.step > 0}
+    assert local_phases[3] == [
+        "produce_batch", "write_trajectories", "prepare_data", "fit", "save_checkpoint", "export_hf", "sync_weights",
+        "log_step", "commit_checkpoint",
+    ]
+    assert "start_rollout" in local_phases[1] and "evaluate" in local_phases[2]
+    for step, phases in local_phases.items():
+        assert sorted(flow_phases[step]) == sorted(phases), step
+        assert _in_order(flow_phases[step]) == _in_order(phases), step
