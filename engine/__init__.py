@@ -1,0 +1,1 @@
+"""The RL machinery, usable without Prefect: one folder per concern (see the README's Architecture)."""

@@ -1,0 +1,1 @@
+"""Training: the worker that owns the policy and its optimizer, micro-batch layouts, the logprob head."""
