@@ -43,24 +43,33 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """A real head started with `ray start --block`; ending that process stops exactly this cluster."""
+    """A real, private head (loopback only, token auth) as trellis starts it, with `ray start --block`:
+    ending that process stops exactly this cluster."""
+    import os
+
     import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
 
+    from engine.cluster.compat import use_private_ray_head
+    from engine.cluster.head import auth_token_file, head_command, head_environment, is_alive
+    from engine.config import ClusterConfig
+
     port = _free_port()
+    cluster = ClusterConfig(head_port=port, num_cpus=2)
     kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+        head_command(cluster, port), env={**os.environ, **head_environment(cluster)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
     )
     address = f"127.0.0.1:{port}"
     deadline = time.time() + 90
-    while subprocess.run([RAY, "status", f"--address={address}"], capture_output=True).returncode != 0:
+    while not is_alive(address, cluster):
         assert time.time() < deadline and head.poll() is None, "the Ray head did not come up"
         time.sleep(0.5)
+    use_private_ray_head(str(auth_token_file(cluster)))
     # Workers import the fault-injecting reward functions from tests/.
     env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
     ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-    yield {"address": address, "kill_file": kill_file}
+    yield {"address": address, "kill_file": kill_file, "pid": head.pid}
     ray.shutdown()
     head.send_signal(signal.SIGTERM)
     head.wait(timeout=60)

@@ -1,22 +1,34 @@
-"""The Ray cluster trellis runs on: attach to a running one, or start a persistent local head.
+"""The Ray cluster trellis runs on: attach to a running one, or start a persistent, private local head.
 
 Resolution order for the address: ``cluster.address`` in the config, then ``RAY_ADDRESS``, then the
-head that ``trellis cluster up`` (or an earlier run) started and recorded, then a new local head.
-``ray.init(address="auto")`` is avoided on purpose: where it finds nothing it silently starts a
-private cluster, and named actors would not outlive the process.
+head that ``trellis cluster up`` (or an earlier run) started and recorded under ``cluster.home``,
+then a new local head. ``ray.init(address="auto")`` is avoided on purpose: where it finds nothing it
+silently starts a cluster of its own, and named actors would not outlive the process.
+
+A Ray cluster runs any code that reaches it (the ShadowRay attacks, CVE-2023-48022), so the head
+trellis starts is private: every Ray process of it listens on 127.0.0.1 only, and it asks every
+client for a token kept in ``{cluster.home}/ray-auth-token`` (mode 0600). To open a cluster to other
+nodes, start it yourself on a private network (README: *A cluster for several machines*).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-import shutil
+import secrets
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import ray
 
+from engine.cluster.compat import use_private_ray_head
 from engine.config import ClusterConfig
+
+_START_TIMEOUT_S = 180.0
 
 
 class ClusterError(RuntimeError):
@@ -24,49 +36,119 @@ class ClusterError(RuntimeError):
 
 
 def _ray_cli() -> str:
-    found = shutil.which("ray") or str(Path(os.sys.executable).with_name("ray"))
-    if not Path(found).exists():
-        raise ClusterError("The `ray` command is not installed; install trellis with its dependencies.")
-    return found
+    found = Path(sys.executable).with_name("ray")
+    if not found.exists():
+        raise ClusterError("The `ray` command is not installed beside this Python; install trellis with its dependencies.")
+    return str(found)
+
+
+def _home(config: ClusterConfig) -> Path:
+    return Path(config.home).expanduser()
+
+
+def auth_token_file(config: ClusterConfig) -> Path:
+    """The private head's token, made on first use, readable by this user only."""
+    token = _home(config) / "ray-auth-token"
+    if not token.exists():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    return token
+
+
+def head_environment(config: ClusterConfig) -> dict[str, str]:
+    """What every Ray process and command of the private head runs with: one machine (so loopback
+    stays loopback) and token authentication."""
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(auth_token_file(config)),
+    }
+
+
+def head_command(config: ClusterConfig, port: int, *, block: bool = True) -> list[str]:
+    command = [
+        _ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+        "--disable-usage-stats", f"--num-cpus={config.num_cpus or os.cpu_count() or 1}",
+    ]
+    return [*command, "--block"] if block else command
+
+
+def is_alive(address: str, config: ClusterConfig) -> bool:
+    env = {**os.environ, **(head_environment(config) if is_loopback(address) else {})}
+    result = subprocess.run([_ray_cli(), "status", f"--address={address}"], capture_output=True, text=True, timeout=60, env=env)
+    return result.returncode == 0
+
+
+def is_loopback(address: str) -> bool:
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _record_file(config: ClusterConfig) -> Path:
-    return Path(config.home).expanduser() / "ray-head.json"
+    return _home(config) / "ray-head.json"
+
+
+def _record(config: ClusterConfig) -> dict:
+    record = _record_file(config)
+    return json.loads(record.read_text()) if record.exists() else {}
 
 
 def recorded_address(config: ClusterConfig) -> str | None:
     """The address of the local head that trellis started and recorded under ``cluster.home``."""
-    record = _record_file(config)
-    if not record.exists():
-        return None
-    return json.loads(record.read_text()).get("address")
-
-
-def is_alive(address: str) -> bool:
-    result = subprocess.run([_ray_cli(), "status", f"--address={address}"], capture_output=True, text=True, timeout=60)
-    return result.returncode == 0
+    return _record(config).get("address")
 
 
 def start_head(config: ClusterConfig) -> str:
-    """Start a persistent local head (it outlives this process) and record its address."""
-    port = config.head_port
-    command = [
-        _ray_cli(), "start", "--head", f"--port={port}", "--include-dashboard=false", "--disable-usage-stats",
-        f"--num-cpus={config.num_cpus or os.cpu_count() or 1}",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
-    if result.returncode != 0:
-        raise ClusterError(f"`ray start` failed:\n{result.stderr[-2000:]}")
-    address = f"127.0.0.1:{port}"
-    record = _record_file(config)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"address": address}))
+    """Start a private local head that outlives this process (``ray start --block`` in a session of
+    its own, so that stopping it stops exactly this cluster) and record its address and process."""
+    address = f"127.0.0.1:{config.head_port}"
+    home = _home(config)
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "ray-head.log", "ab") as log:
+        head = subprocess.Popen(
+            head_command(config, config.head_port), env={**os.environ, **head_environment(config)},
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not is_alive(address, config):
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            tail = (home / "ray-head.log").read_text(errors="replace")[-2000:]
+            raise ClusterError(f"The local Ray head did not start (see {home / 'ray-head.log'}):\n{tail}")
+        time.sleep(0.5)
+    _record_file(config).write_text(json.dumps({"address": address, "pid": head.pid}))
     return address
 
 
-def stop_head(config: ClusterConfig) -> None:
-    subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, timeout=120)
+def stop_head(config: ClusterConfig) -> bool:
+    """Stop the head trellis recorded (and the run workers on it); False when none was running."""
+    record = _record(config)
     _record_file(config).unlink(missing_ok=True)
+    pid = record.get("pid")
+    if pid is None:  # recorded by a trellis before 0.2, which started heads with `ray start` alone
+        if record.get("address"):
+            subprocess.run([_ray_cli(), "stop"], capture_output=True, text=True, timeout=120)
+        return bool(record)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+    return True
 
 
 def resolve_address(config: ClusterConfig, *, start_if_missing: bool = True) -> str:
@@ -74,7 +156,7 @@ def resolve_address(config: ClusterConfig, *, start_if_missing: bool = True) -> 
         if address:
             return address
     address = recorded_address(config)
-    if address and is_alive(address):
+    if address and is_alive(address, config):
         return address
     if not start_if_missing:
         raise ClusterError("No Ray cluster is running; start one with `trellis cluster up`.")
@@ -86,5 +168,7 @@ def connect(config: ClusterConfig) -> str:
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     address = resolve_address(config)
+    if is_loopback(address):
+        use_private_ray_head(str(auth_token_file(config)))
     ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     return address
