@@ -71,8 +71,13 @@ _known_values: set[str] = set()
 _installed = False
 
 
+_TRACEBACK_FORMATTER = logging.Formatter()
+
+
 def install_log_redaction(*extra: Mapping[str, Any]) -> None:
-    """Scrub secret values from every log record this process creates, from now on.
+    """Scrub secret values from every log record this process creates, from now on: the message and
+    the exception traceback (``logger.exception``), whose text is otherwise formatted later, by each
+    handler, from the live exception.
 
     Works at record creation (``logging.setLogRecordFactory``), so handlers added later by Prefect,
     Ray or the user see clean records too. Calling it again adds the new values.
@@ -87,14 +92,29 @@ def install_log_redaction(*extra: Mapping[str, Any]) -> None:
 
         def scrubbed_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
             record = make_record(*args, **kwargs)
-            if _known_values:
-                message = record.getMessage()
-                clean = redact_text(message, _known_values)
-                if clean != message:
-                    record.msg, record.args = clean, ()
+            message = record.getMessage()
+            clean = redact(message)
+            if clean != message:
+                record.msg, record.args = clean, ()
+            if record.exc_info and record.exc_info[0] is not None:
+                # Formatters reuse exc_text when it is set: the traceback is formatted once, here, clean.
+                record.exc_text = redact(_TRACEBACK_FORMATTER.formatException(record.exc_info))
+            if record.stack_info:
+                record.stack_info = redact(record.stack_info)
             return record
 
         logging.setLogRecordFactory(scrubbed_record)
+
+
+def redact(text: str) -> str:
+    """``text`` without any secret value this process knows of (see ``install_log_redaction``)."""
+    return redact_text(text, _known_values) if _known_values else redact_url_passwords(text)
+
+
+def remember_secrets(values: Iterable[str]) -> None:
+    """Values to scrub from logs and error messages from now on, beside those found by name."""
+    with _lock:
+        _known_values.update(value for value in values if len(value) >= _MIN_REDACTED_VALUE)
 
 
 def runtime_environment() -> dict[str, Any]:
@@ -116,3 +136,79 @@ def write_runtime_environment(run_uri: str, storage_options: Mapping[str, Any]) 
     with fs.open(path, "w") as handle:
         json.dump(runtime_environment(), handle, indent=2, sort_keys=True)
     return uri
+
+
+# Object-storage settings a launching shell holds: they follow each run to its workers.
+FORWARDED_ENVIRONMENT = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
+class Credentials:
+    """Credentials (and the settings that go with them) from the launching shell, for a run's
+    workers on a cluster that may have been started before they were set. They travel as an
+    argument of a worker call, never in a Ray runtime_env (which Ray shows in its records and
+    dashboard), and their repr names the variables only."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self._values = dict(values)
+
+    def __repr__(self) -> str:
+        return f"Credentials({', '.join(sorted(self._values))})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._values))
+
+    @classmethod
+    def from_environment(cls, extra_names: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> Credentials:
+        """The forwarded variables set here, ``extra_names`` too; an ``AWS_PROFILE`` is resolved to
+        its keys here, since the workers' machines may not hold the profile's files."""
+        environ = os.environ if environ is None else environ
+        values = {name: environ[name] for name in (*FORWARDED_ENVIRONMENT, *extra_names) if environ.get(name)}
+        if environ.get("AWS_PROFILE") and "AWS_ACCESS_KEY_ID" not in values:
+            values.update(_profile_keys(environ["AWS_PROFILE"]))
+        return cls(values)
+
+    def apply(self, replacing: Credentials | None = None) -> None:
+        """Set them in this process's environment (in place of ``replacing``, which an earlier run
+        set) and scrub their values from its logs."""
+        for name in replacing.names if replacing is not None else ():
+            if name not in self._values:
+                os.environ.pop(name, None)
+        os.environ.update(self._values)
+        remember_secrets(value for name, value in self._values.items() if looks_secret(name))
+        _forget_cached_filesystems()
+
+
+def _profile_keys(profile: str) -> dict[str, str]:
+    try:
+        from botocore.session import Session  # comes with s3fs
+    except ImportError:
+        return {}
+    found = Session(profile=profile).get_credentials()
+    if found is None:
+        return {}
+    frozen = found.get_frozen_credentials()
+    keys = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+    if frozen.token:
+        keys["AWS_SESSION_TOKEN"] = frozen.token
+    return keys
+
+
+def _forget_cached_filesystems() -> None:
+    """fsspec keeps one filesystem per set of options, with the credentials it first resolved: a
+    worker that failed without credentials would keep failing with them."""
+    from fsspec.spec import AbstractFileSystem
+
+    pending = [AbstractFileSystem]
+    while pending:
+        cls = pending.pop()
+        cls.clear_instance_cache()
+        pending.extend(cls.__subclasses__())

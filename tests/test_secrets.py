@@ -66,3 +66,40 @@ def test_a_masked_config_coming_back_is_refused_with_a_clear_error(tmp_path):
     config_file.write_text("load_from: m\ntrain_dataset: {path: d}\ntotal_train_steps: 1\nstorage_options: {secret: '**********'}\n")
     with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
         load_config(config_file)
+
+
+def leaks_its_input(sample):
+    raise PermissionError(f"storage refused key {sample['label']}")
+
+
+def test_tracebacks_and_reward_errors_are_scrubbed_too():
+    """Tried: logger.exception on an error whose message holds a credential (as a storage client's
+    can), and a reward function that raises with one. Neither the formatted traceback nor the error
+    stored with the sample carries it."""
+    import io
+
+    from engine.config import RewardConfig
+    from engine.rollout.rewards import RewardRunner
+
+    secret = "AKIA-LEAKY-0123456789"
+    install_log_redaction({"aws_secret_access_key": secret})
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log = logging.getLogger("trellis.test.traceback")
+    log.addHandler(handler)
+    try:
+        try:
+            raise OSError(f"403 for credentials {secret}")
+        except OSError:
+            log.exception("upload failed with %s", secret)
+    finally:
+        log.removeHandler(handler)
+    written = stream.getvalue()
+    assert "Traceback" in written and "OSError: 403 for credentials" in written
+    assert secret not in written and REDACTED in written
+
+    sample = {"response": "r", "label": secret, "prompt": [], "data_source": "d", "task_name": "t"}
+    with RewardRunner(RewardConfig(function=f"{__name__}:leaks_its_input")) as runner:
+        (result,) = runner.score([sample])
+    assert result.error == f"reward function raised PermissionError: storage refused key {REDACTED}"
