@@ -45,16 +45,23 @@ def cluster_up(
     home: HomeOption = "~/.trellis",
 ) -> None:
     """Start a local Ray head that outlives this command."""
-    from engine.cluster.head import ClusterError, is_alive, recorded_address, start_head
+    from engine.cluster.head import (
+        ClusterError,
+        auth_token_file,
+        is_alive,
+        recorded_address,
+        start_head,
+    )
     from engine.config import ClusterConfig
 
     cluster = ClusterConfig(head_port=port, num_cpus=num_cpus, home=home)
     address = recorded_address(cluster)
-    if address and is_alive(address):
+    if address and is_alive(address, cluster):
         typer.echo(f"already running at {address}")
         return
     try:
-        typer.echo(f"started at {start_head(cluster)}")
+        address = start_head(cluster)
+        typer.echo(f"started at {address}: listening on 127.0.0.1 only, clients need the token in {auth_token_file(cluster)}")
     except ClusterError as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1) from None
@@ -66,8 +73,7 @@ def cluster_down(home: HomeOption = "~/.trellis") -> None:
     from engine.cluster.head import stop_head
     from engine.config import ClusterConfig
 
-    stop_head(ClusterConfig(home=home))
-    typer.echo("stopped")
+    typer.echo("stopped" if stop_head(ClusterConfig(home=home)) else "no head was recorded as running")
 
 
 @cluster_app.command("status")
@@ -76,8 +82,9 @@ def cluster_status(home: HomeOption = "~/.trellis") -> None:
     from engine.cluster.head import is_alive, recorded_address
     from engine.config import ClusterConfig
 
-    address = recorded_address(ClusterConfig(home=home))
-    if address and is_alive(address):
+    cluster = ClusterConfig(home=home)
+    address = recorded_address(cluster)
+    if address and is_alive(address, cluster):
         typer.echo(f"running at {address}")
     else:
         typer.echo("not running")
@@ -122,6 +129,7 @@ def train(
     from engine.storage.lake import LakeError
 
     _quiet_libraries()
+    refused: tuple[type[Exception], ...] = (ConfigError, InputError, DatasetError, CheckpointError, LakeError)
     try:
         cfg = load_config(config, overrides)
         install_log_redaction(cfg.storage_options)
@@ -129,8 +137,15 @@ def train(
         if in_process:
             _train_in_process(cfg, resume)
         else:
+            from engine.cluster.environment import (
+                ClusterEnvironmentError,
+                prepare_cluster,
+            )
+
+            refused = (*refused, ClusterEnvironmentError)
+            prepare_cluster(cfg)  # connects, and checks the workers' environment before any worker exists
             _train_with_flow(cfg, resume)
-    except (ConfigError, InputError, DatasetError, CheckpointError, LakeError) as error:
+    except refused as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
 
@@ -168,6 +183,8 @@ def _train_with_flow(cfg, resume: bool) -> None:
     # Without a Prefect server, each run starts a temporary one; its telemetry write races the run's
     # first writes on the shared SQLite file ("database is locked"). Nothing here needs telemetry.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A first temporary server creates its database; on 2 busy cores that can outlast Prefect's 20 s.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from tqdm import tqdm
 

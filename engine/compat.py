@@ -1,5 +1,6 @@
-"""Where the library versions trellis supports differ, in one place: each shim says which versions
-it bridges, so it can go once the older one is no longer supported."""
+"""Where the library versions trellis supports differ (torch, transformers), in one place: each shim
+says which versions it bridges, so it can go once the older one is no longer supported. Ray's are in
+``engine.cluster.compat``, the only package that may import Ray."""
 
 from __future__ import annotations
 
@@ -45,3 +46,4 @@ def close_group(group: dist.ProcessGroup, *, nccl: bool) -> None:
     end = getattr(group, "abort", None) if nccl else getattr(group, "shutdown", None)
     if end is not None:
         end()
+

@@ -2,6 +2,9 @@
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def trellis(*args, cwd=None):
@@ -75,3 +78,36 @@ def test_a_run_sized_in_epochs_shows_its_total_steps(tmp_path, tiny_model, ray_c
     )
     assert result.returncode == 0, result.stderr
     assert "2/2" in result.stdout and "None" not in result.stdout
+
+
+BROKEN_REWARDS = {
+    "module missing": ("nosuchmodule:score", None, "no module 'nosuchmodule'"),
+    "attribute missing": ("myreward:scor", "def score(sample):\n    return 1.0\n", "defines no 'scor'"),
+    "raises on import": ("myreward:score", "import json\nraise RuntimeError('the judge model is not downloaded')\n",
+                         "importing 'myreward' failed: RuntimeError: the judge model is not downloaded (at "),
+    "missing dependency": ("myreward:score", "import judge_sdk\n\ndef score(sample):\n    return 1.0\n",
+                           "importing 'myreward' failed: ModuleNotFoundError: No module named 'judge_sdk'"),
+    "two parameters": ("myreward:score", "def score(sample, label):\n    return 1.0\n",
+                       "has the signature score(sample, label); a reward function takes exactly one argument"),
+    "file missing": ("rewards/missing.py:score", None, "rewards/missing.py does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_REWARDS))
+def test_a_broken_reward_function_is_refused_before_any_worker_starts(case, tmp_path, tiny_model, reverse_data):
+    """Tried as a new user would, from a project folder of their own: each broken reward module ends
+    the run with exit code 2 and one line that names the problem, no traceback, and no cluster started
+    (the head record under a fresh cluster.home stays absent)."""
+    spec, source, message = BROKEN_REWARDS[case]
+    if source is not None:
+        (tmp_path / "myreward.py").write_text(source)
+    (tmp_path / "my.yaml").write_text(
+        f"load_from: {tiny_model}\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 2\n"
+        f"reward: {{function: '{spec}'}}\ncluster: {{home: {tmp_path / 'home'}}}\n"
+    )
+    result = subprocess.run([str(Path(sys.executable).with_name("trellis")), "train", "my.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    assert not (tmp_path / "home" / "ray-head.json").exists()

@@ -52,7 +52,7 @@ def test_non_numeric_results_fail_with_what_was_returned():
 
 
 def test_unknown_function_is_refused_at_start():
-    with pytest.raises(ValueError, match="has no callable 'nope'"):
+    with pytest.raises(ValueError, match="defines no 'nope'"):
         RewardRunner(RewardConfig(function="engine.rollout.rewards:nope"))
     with pytest.raises(ValueError, match="must look like 'package.module:function'"):
         RewardRunner(RewardConfig(function="engine.rollout.rewards"))

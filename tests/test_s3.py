@@ -81,28 +81,53 @@ def test_a_run_on_s3_stores_everything_there_resumes_from_it_and_leaks_no_secret
     env = json.loads(s3.cat(f"{BUCKET}/runs/on_s3/logs/env.json"))
     assert env["environment"]["TRELLIS_TEST_API_TOKEN"] == "**********"
     assert "torch" in env["versions"]
-    _assert_nowhere([key, secret, token], s3, config)
+    _assert_nowhere([key, secret, token], s3, f"{BUCKET}/runs/on_s3")
+    assert '"**********"' in asyncio.run(_prefect_records())  # the config parameters were stored, secrets masked
 
 
-def _assert_nowhere(values: list[str], s3, config) -> None:
+def test_credentials_in_the_launching_shell_follow_the_run_to_a_cluster_started_without_them(
+    tiny_model, reverse_data, ray_cluster, prefect_api, s3_endpoint, monkeypatch
+):
+    """The Ray head was started (by the session fixture) before these variables existed, so its
+    workers cannot see them; the config names only the endpoint. The run still writes its lake and
+    checkpoints to the bucket, and the secret is nowhere in the bucket, Prefect's records or Ray's logs."""
+    key, secret = f"AKIASHELL{secrets.token_hex(6)}", f"shell-secret-{secrets.token_hex(12)}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    storage = {"endpoint_url": s3_endpoint}
+    s3 = fsspec.filesystem("s3", **storage)
+    s3.mkdir("shell-creds")
+    config = tiny_config(
+        tiny_model, reverse_data, "s3://shell-creds/runs", experiment_name="shell_creds", storage_options=storage,
+        total_train_steps=2, enable_initial_evaluate=False, cluster={"address": ray_cluster["address"]},
+    )
+    rl_train(config)
+    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2]
+    assert len(lake_rows(config)) == 2 * 128
+    _assert_nowhere([key, secret], s3, "shell-creds/runs/shell_creds")
+
+
+async def _prefect_records() -> str:
+    async with get_client() as client:
+        runs = await client.read_flow_runs()
+        artifacts = await client.read_artifacts()
+        logs = await client.read_logs()
+    return json.dumps(
+        [[r.name, r.parameters] for r in runs] + [[a.key, a.data] for a in artifacts] + [entry.message for entry in logs],
+        default=str,
+    )
+
+
+def _assert_nowhere(values: list[str], s3, prefix: str) -> None:
     """No secret in any object the run stored, in Prefect's records of it, or in the Ray logs."""
-    for path in s3.find(f"{BUCKET}/runs/on_s3"):
+    for path in s3.find(prefix):
         body = s3.cat(path)
         for value in values:
             assert value.encode() not in body, f"a secret is in s3://{path}"
+    assert s3.find(prefix), "the run stored nothing"
 
-    async def prefect_records() -> str:
-        async with get_client() as client:
-            runs = await client.read_flow_runs()
-            artifacts = await client.read_artifacts()
-            logs = await client.read_logs()
-        return json.dumps(
-            [[r.name, r.parameters] for r in runs] + [[a.key, a.data] for a in artifacts] + [entry.message for entry in logs],
-            default=str,
-        )
-
-    reported = asyncio.run(prefect_records())
-    assert '"**********"' in reported  # the runs' config parameters were stored, with their secrets masked
+    reported = asyncio.run(_prefect_records())
+    assert "flow-run" in reported or "rl_run" in reported  # the runs' records were read
     for value in values:
         assert value not in reported
 

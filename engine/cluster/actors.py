@@ -23,6 +23,8 @@ from engine.rollout.base import Generation, SamplingParams
 from engine.rollout.controller import Controller
 from engine.rollout.produce import ProduceResult, produce_summary
 from engine.rollout.transformers_backend import TransformersRollout
+from engine.run.identity import WorkerFingerprint
+from engine.secrets import Credentials
 from engine.storage.trackers import Trackers
 from engine.train.worker import FitResult, TrainingWorker
 from engine.weights.broadcast import (
@@ -37,10 +39,32 @@ from engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, lay
 from engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
 
 
-@ray.remote(num_cpus=0)
-class TrainerActor:
-    def __init__(self, config: TrellisConfig, total_train_steps: int, pad_token_id: int) -> None:
+class BuiltFrom:
+    """What every actor shell keeps: the fingerprint it was built with, and the run's credentials."""
+
+    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials) -> None:
+        self._fingerprint = fingerprint
+        self._credentials = credentials
+        credentials.apply()
         set_up_process(config)
+
+    def fingerprint(self) -> WorkerFingerprint:
+        return self._fingerprint
+
+    def use_credentials(self, credentials: Credentials) -> None:
+        """A later run's credentials replace those of the run that built this worker."""
+        credentials.apply(replacing=self._credentials)
+        self._credentials = credentials
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor(BuiltFrom):
+    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
+                 total_train_steps: int, pad_token_id: int) -> None:
+        super().__init__(config, fingerprint, credentials)
         self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
         self._on_gpu = resolve_device(config.train_worker.device).type == "cuda"
         self._sender: WeightSender | None = None
@@ -101,16 +125,14 @@ class TrainerActor:
     def onload(self) -> None:
         self.worker.onload()
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 @ray.remote(num_cpus=0)
-class RolloutActor:
-    def __init__(self, config: TrellisConfig, tokenizer_path: str) -> None:
+class RolloutActor(BuiltFrom):
+    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
+                 tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
 
-        set_up_process(config)
+        super().__init__(config, fingerprint, credentials)
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
         self._on_gpu = rollout_device(config).type == "cuda"
         self._weight_group: WeightGroup | None = None
@@ -155,9 +177,6 @@ class RolloutActor:
     def onload(self) -> None:
         self.backend.onload()
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RemoteRollout:
     """The rollout contract over a rollout actor, so the controller's code runs unchanged."""
@@ -192,11 +211,11 @@ class ControllerInfo:
 
 
 @ray.remote(num_cpus=0)
-class ControllerActor:
+class ControllerActor(BuiltFrom):
     """Produces, prepares, evaluates and stores batches; batches stay in the object store."""
 
-    def __init__(self, config: TrellisConfig) -> None:
-        set_up_process(config)
+    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials) -> None:
+        super().__init__(config, fingerprint, credentials)
         self.config = config
         self.controller = Controller(config)
         self.trackers: Trackers | None = None
@@ -253,6 +272,3 @@ class ControllerActor:
         groups, metrics = self.controller.evaluate(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
         uri, _ = self.controller.write_trajectories(groups, step, "eval")
         return uri, metrics
-
-    def pid(self) -> int:
-        return os.getpid()

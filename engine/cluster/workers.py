@@ -1,12 +1,17 @@
 """The driver's handle on one run's workers: named Ray actors in the run's namespace, by role.
 
 Every actor is detached, named ``{experiment_name}-{role}`` and created with ``get_if_exists``, so a
-retried or resumed flow run re-attaches to live workers instead of rebuilding them. Handles are
-looked up by name on every use: a replaced worker keeps its name but not its handle.
+retried or resumed flow run re-attaches to live workers instead of rebuilding them, as long as they
+were built from the same user code, trellis code and worker settings (``engine.run.identity``);
+otherwise they are replaced. Each attach hands the workers the launching shell's credentials.
+Handles are looked up by name on every use: a replaced worker keeps its name but not its handle.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -19,13 +24,27 @@ from engine.cluster.actors import (
     RolloutActor,
     TrainerActor,
 )
+from engine.cluster.environment import check_worker_environment, worker_runtime_env
 from engine.cluster.placement import gpu_requests
 from engine.cluster.weight_sync import push_weights
 from engine.config import TrellisConfig
+from engine.run.code_bundle import CodeBundle, shipped_code
+from engine.run.identity import WorkerFingerprint
 from engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
 from engine.run.resume import StartPlan
+from engine.secrets import Credentials
 
+logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What this driver builds workers with."""
+
+    bundle: CodeBundle | None
+    fingerprint: WorkerFingerprint
+    credentials: Credentials
 
 
 class RunWorkers:
@@ -33,6 +52,12 @@ class RunWorkers:
         self.config = config
         self.roles: tuple[Role, ...] = roles_for(config)
         self._timeout_s = config.cluster.ray_get_timeout_s
+
+    @functools.cached_property
+    def launch(self) -> Launch:
+        bundle = shipped_code(self.config)
+        credentials = Credentials.from_environment(self.config.cluster.forward_env)
+        return Launch(bundle, WorkerFingerprint.of(self.config, bundle), credentials)
 
     def wait(self, refs: Any) -> Any:
         """``ray.get`` bounded by ``cluster.ray_get_timeout_s``."""
@@ -48,7 +73,10 @@ class RunWorkers:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def attach(self) -> WorkerFacts:
-        """Get the run's actors, creating those that do not exist (or died); report where they stand."""
+        """Get the run's actors, creating those that do not exist (or died) and replacing those built
+        from other code or settings; report where they stand."""
+        check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
+        self._retire_stale_workers()
         controller = self._get_or_create("controller")
         info: ControllerInfo = self.wait(controller.info.remote())
         # The total comes from this run's config: a re-attached run may extend the first one.
@@ -63,6 +91,8 @@ class RunWorkers:
         if trainer is not None and rollout is not None and applied > 0 and served == 0:
             self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
         rollout_gpu = self.wait(rollout.gpu_identity.remote()) if rollout is not None else None
+        live = [actor for actor in (controller, trainer, rollout) if actor is not None]
+        self.wait([actor.use_credentials.remote(self.launch.credentials) for actor in live])
         return WorkerFacts(
             dataset_size=info.dataset_size,
             pad_token_id=info.pad_token_id,
@@ -151,14 +181,31 @@ class RunWorkers:
         """Give a (new) rollout worker the trainer's current weights, versioned by the trainer's step."""
         self.sync_weights(self.wait(self.actor("trainer").applied_step.remote()))
 
+    def _retire_stale_workers(self) -> None:
+        """Release the live workers when any was built from other code or settings than this run's."""
+        for role in ROLES:
+            try:
+                built = self.wait(self.actor(role).fingerprint.remote())
+            except (ValueError, RayActorError):  # none alive under that name
+                continue
+            differences = self.launch.fingerprint.differences(built)
+            if differences:
+                logger.warning(
+                    "The live workers of %s differ from this run in %s: replacing them.",
+                    self.config.experiment_name, " and ".join(differences),
+                )
+                self.release()
+                return
+
     def _get_or_create(self, role: Role, *args: Any) -> ActorHandle:
-        config = self.config
+        config, launch = self.config, self.launch
         options: dict[str, Any] = dict(
             name=self.name(role), namespace=config.ray_namespace, lifetime="detached", get_if_exists=True, max_concurrency=1
         )
         gpus = gpu_requests(config, ray.cluster_resources().get("GPU", 0.0)).get(role)
         if gpus:
             options["num_gpus"] = gpus
-        if role == "rollout" and config.rollout.runtime_env:
-            options["runtime_env"] = config.rollout.runtime_env
-        return _ACTOR_CLASSES[role].options(**options).remote(config, *args)
+        runtime_env = worker_runtime_env(config, launch.bundle, role)
+        if runtime_env:
+            options["runtime_env"] = runtime_env
+        return _ACTOR_CLASSES[role].options(**options).remote(config, launch.fingerprint, launch.credentials, *args)

@@ -3,6 +3,7 @@ serialize their credentials."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
@@ -25,6 +26,18 @@ def _no_masked_secrets(options: dict[str, Any]) -> dict[str, Any]:
 StorageOptions = Annotated[
     dict[str, Any], AfterValidator(_no_masked_secrets), PlainSerializer(redact_mapping, when_used="json")
 ]
+
+
+def _absolute_if_local(location: str) -> str:
+    """A local path relative to the directory the config is read in, made absolute: workers run in
+    other directories (their own code folder) and on other nodes. URIs (``s3://...``) stay as they are."""
+    if "://" in location:
+        return location
+    return os.path.abspath(os.path.expanduser(location))
+
+
+# A file or folder: a local path (resolved when the config is read) or any fsspec URI.
+Location = Annotated[str, AfterValidator(_absolute_if_local)]
 
 
 class Frozen(BaseModel):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from engine.config.base import Frozen
+from engine.config.base import Frozen, Location
+from engine.secrets import looks_secret
 
 
 class ClusterConfig(Frozen):
@@ -40,7 +41,25 @@ class ClusterConfig(Frozen):
         True, description="Kill the run's actors when the run completes; false keeps them for a later flow run to re-attach."
     )
     flow_retries: int = Field(
-        1, ge=0, description="Prefect retries of a failed rl_train flow run; each retry resumes from the last checkpoint."
+        1, ge=0, description="Prefect retries of a failed rl_run (one attempt of a run); each resumes from the last checkpoint."
+    )
+    code_dir: Location | None = Field(
+        None,
+        description="The folder whose files the workers get as their working directory when a function the config "
+        "names lives in it; default: the directory the run is launched from.",
+    )
+    code_excludes: tuple[str, ...] = Field(
+        (), description="Gitignore patterns of files under code_dir that are not shipped (beside weights, data and outputs)."
+    )
+    runtime_env: dict[str, Any] | None = Field(
+        None,
+        description="A Ray runtime_env merged into every worker's, e.g. {pip: [sympy==1.13]} or {env_vars: {...}}; "
+        "trellis sets working_dir itself, and secrets go in the launching shell, never here (Ray shows runtime_envs).",
+    )
+    forward_env: tuple[str, ...] = Field(
+        (),
+        description="Names of environment variables of the launching shell that follow the run to its workers, "
+        "beside the object-storage ones (AWS_ACCESS_KEY_ID, ...) that always do; e.g. [HF_TOKEN].",
     )
     overlap_next_rollout: bool | None = Field(
         None,
@@ -49,6 +68,25 @@ class ClusterConfig(Frozen):
         "each step starts after the previous one is fully recorded. Default: on when the rollout worker generates "
         "on a GPU, off on CPU, where the records' work would compete with generation for the cores.",
     )
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _no_secrets_or_code_in_runtime_env(cls, runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not runtime_env:
+            return runtime_env
+        managed = sorted(set(runtime_env) & {"working_dir", "py_modules", "excludes"})
+        if managed:
+            raise ValueError(
+                f"cluster.runtime_env sets {managed}: trellis ships the run's code itself (cluster.code_dir, "
+                "cluster.code_excludes)."
+            )
+        secret = sorted(name for name in (runtime_env.get("env_vars") or {}) if looks_secret(name))
+        if secret:
+            raise ValueError(
+                f"cluster.runtime_env.env_vars holds {secret}: Ray shows runtime_envs in its records and dashboard. Set "
+                "them in the launching shell and list them in cluster.forward_env instead."
+            )
+        return runtime_env
 
     def overlaps_next_rollout(self, rollout_on_gpu: bool) -> bool:
         return rollout_on_gpu if self.overlap_next_rollout is None else self.overlap_next_rollout

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.base import Frozen, StorageOptions
+from engine.config.base import Frozen, Location, StorageOptions
 
 
 class DatasetConfig(Frozen):
     """A prompt dataset: Parquet or JSONL, local or any fsspec URI."""
 
-    path: str = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
+    path: Location = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
     format: Literal["auto", "parquet", "jsonl"] = "auto"
     prompt_key: str = "prompt"
     label_key: str = "label"
@@ -169,7 +169,7 @@ class TrainWorkerConfig(Frozen):
 class LoadCheckpointConfig(Frozen):
     """An explicit checkpoint to start from (``auto_resume`` finds the latest one by itself)."""
 
-    checkpoint_path: str | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
+    checkpoint_path: Location | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
     load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments (e.g. after changing the lr).")
     load_dataset: bool = Field(True, description="False: restart the prompt order instead of continuing it.")
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.base import Frozen, StorageOptions
+from engine.config.base import Frozen, Location, StorageOptions
 from engine.config.cluster import ClusterConfig
 from engine.config.rules import RULES
 from engine.config.sections import (
@@ -30,11 +30,11 @@ from engine.config.sections import (
 class TrellisConfig(Frozen):
     """Everything one RL run needs."""
 
-    load_from: str = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
-    tokenizer_path: str | None = Field(None, description="Defaults to load_from.")
+    load_from: Location = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
+    tokenizer_path: Location | None = Field(None, description="Defaults to load_from.")
     train_dataset: DatasetConfig
     eval_dataset: DatasetConfig | None = None
-    work_dir: str = Field("work_dirs", description="Any fsspec URI: trajectories, checkpoints, logs go here.")
+    work_dir: Location = Field("work_dirs", validate_default=True, description="Any fsspec URI: trajectories, checkpoints, logs go here.")
     experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     storage_options: StorageOptions = Field(
         default_factory=dict,
@@ -71,7 +71,7 @@ class TrellisConfig(Frozen):
     deterministic: bool = Field(False, description="Deterministic kernels and no micro-batch shuffle.")
     debug_rollout: bool = False
     debug_train: bool = False
-    debug_rollout_dir: str | None = None
+    debug_rollout_dir: Location | None = None
     exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 

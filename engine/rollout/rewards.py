@@ -1,4 +1,5 @@
-"""Reward functions: any ``module:function`` that takes the sample and returns a score.
+"""Reward functions: any ``module:function`` or ``path/to/file.py:function`` (``engine.user_code``) that
+takes the sample and returns a score.
 
 The function receives one dict (``prompt`` messages, ``response`` text, ``label``, ``data_source``,
 ``task_name`` and the dataset's extra columns) and returns a number or a dict holding ``score``.
@@ -8,17 +9,19 @@ its sample FAILED with the reason, and never crashes or hangs the step (the stuc
 
 from __future__ import annotations
 
-import importlib
 import math
 import multiprocessing
 import re
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from pebble import ProcessPool
 
 from engine.config import RewardConfig
+from engine.secrets import redact
+from engine.user_code import check_takes_one_argument, load_function
 
 
 @dataclass(frozen=True)
@@ -28,17 +31,12 @@ class RewardResult:
     error: str | None = None
 
 
-def resolve_function(spec: str) -> Callable[[dict[str, Any]], Any]:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"Reward function {spec!r} must look like 'package.module:function'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"Reward function {spec!r}: cannot import {module_name!r} ({error}).") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"Reward function {spec!r}: {module_name} has no callable {attribute!r}.")
+def resolve_function(spec: str, base_dir: str | Path | None = None) -> Callable[[dict[str, Any]], Any]:
+    """The reward function ``spec`` names (looked up from ``base_dir``, default the current
+    directory), checked to take one argument; ``UserCodeError`` (a ``ValueError``) with a one-line
+    reason otherwise."""
+    function = load_function(spec, base_dir)
+    check_takes_one_argument(spec, function, "a reward function")
     return function
 
 
@@ -92,7 +90,8 @@ class RewardRunner:
         except FutureTimeout:
             return RewardResult(None, {}, f"reward function timed out after {self._config.timeout_s:g}s")
         except Exception as error:  # the user's function raised: keep the message, fail the sample only
-            return RewardResult(None, {}, f"reward function raised {type(error).__name__}: {error}")
+            # The message lands in the trajectory lake: no credential the process knows of goes with it.
+            return RewardResult(None, {}, redact(f"reward function raised {type(error).__name__}: {error}"))
 
 
 # Built-in reward functions -------------------------------------------------------------------------

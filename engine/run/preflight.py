@@ -1,4 +1,6 @@
-"""Checks of a run's inputs that need the filesystem, made before any model or worker starts."""
+"""Checks of a run's inputs made before any model or worker starts: the model, tokenizer and data
+exist, the config's functions import and take one argument (on this machine, from the directory the
+run is launched from), and the code the workers would receive can be shipped."""
 
 from __future__ import annotations
 
@@ -6,6 +8,13 @@ import fsspec
 
 from engine.config import TrellisConfig
 from engine.rollout.rewards import resolve_function
+from engine.run.code_bundle import (
+    CodeBundleError,
+    launch_directory,
+    shipped_code,
+    user_function_specs,
+)
+from engine.user_code import UserCodeError
 
 
 class InputError(ValueError):
@@ -26,11 +35,15 @@ def check_inputs(config: TrellisConfig) -> None:
             problem = _missing(dataset.path, None, dataset.storage_options)
             if problem:
                 problems.append(f"{name}.path: {problem}")
-    for spec in (config.reward.function, *config.reward.by_data_source.values()):
+    for spec in user_function_specs(config):
         try:
-            resolve_function(spec)
-        except ValueError as error:
+            resolve_function(spec, launch_directory(config))
+        except UserCodeError as error:
             problems.append(f"reward: {error}")
+    try:
+        shipped_code(config)
+    except CodeBundleError as error:
+        problems.append(f"cluster.code_dir: {error}")
     if problems:
         raise InputError("Cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
 

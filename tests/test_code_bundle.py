@@ -1,0 +1,80 @@
+"""What a run ships of the folder it is launched from: the user's code, not their weights, data, run
+outputs or virtualenv; the same files give the same digest, an edited file another one."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from engine.config.loading import load_config
+from engine.run import code_bundle
+from engine.run.code_bundle import CodeBundleError, shipped_code
+from engine.run.identity import WorkerFingerprint
+
+
+def make_project(root: Path) -> None:
+    (root / "helpers").mkdir(parents=True)
+    (root / "myreward.py").write_text("from helpers.parse import answer\n\ndef score(sample):\n    return 1.0\n")
+    (root / "helpers" / "parse.py").write_text("def answer(text):\n    return text.strip()\n")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{}")
+    (root / "model" / "model.safetensors").write_bytes(b"\0" * 1024)
+    (root / "data").mkdir()
+    (root / "data" / "train.parquet").write_bytes(b"PAR1")
+    (root / "runs" / "old").mkdir(parents=True)
+    (root / "runs" / "old" / "metrics.jsonl").write_text("{}\n")
+    (root / ".venv" / "lib").mkdir(parents=True)
+    (root / ".venv" / "lib" / "big.py").write_text("x = 1\n")
+    (root / "notes.tmp").write_text("scratch")
+    (root / ".gitignore").write_text("*.tmp\n")
+    (root / "stray.pt").write_bytes(b"\0" * 16)
+
+
+def config_for(root: Path, **changes):
+    fields = dict(load_from=str(root / "model"), train_dataset={"path": str(root / "data" / "train.parquet")},
+                  work_dir=str(root / "runs"), total_train_steps=1, reward={"function": "myreward:score"},
+                  cluster={"code_dir": str(root)})
+    return load_config(None, **{**fields, **changes})
+
+
+def test_the_bundle_holds_the_code_and_nothing_the_workers_read_elsewhere(tmp_path, monkeypatch):
+    make_project(tmp_path / "project")
+    monkeypatch.setattr(code_bundle.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    bundle = shipped_code(config_for(tmp_path / "project"))
+    with zipfile.ZipFile(bundle.zip_path) as archive:
+        names = sorted(archive.namelist())
+    assert names == [".gitignore", "helpers/parse.py", "myreward.py"]
+    assert bundle.files == 3 and bundle.root == str((tmp_path / "project").resolve())
+
+
+def test_the_digest_follows_the_content(tmp_path, monkeypatch):
+    root = tmp_path / "project"
+    make_project(root)
+    monkeypatch.setattr(code_bundle.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    config = config_for(root)
+    first, again = shipped_code(config), shipped_code(config)
+    assert first == again  # the same files: the same digest and the same zip, not rewritten
+    (root / "runs" / "old" / "metrics.jsonl").write_text("{}\n{}\n")  # outputs are not code
+    assert shipped_code(config).digest == first.digest
+    (root / "helpers" / "parse.py").write_text("def answer(text):\n    return text\n")
+    edited = shipped_code(config)
+    assert edited.digest != first.digest
+    assert WorkerFingerprint.of(config, edited).differences(WorkerFingerprint.of(config, first))[0].startswith("the user code")
+
+
+def test_functions_of_installed_packages_ship_nothing(tmp_path):
+    make_project(tmp_path / "project")
+    assert shipped_code(config_for(tmp_path / "project", reward={"function": "engine.rollout.rewards:exact_match"})) is None
+
+
+def test_a_launch_folder_too_big_to_ship_says_what_to_leave_out(tmp_path, monkeypatch):
+    root = tmp_path / "project"
+    make_project(root)
+    (root / "corpus.jsonl").write_bytes(b"x" * 2048)
+    monkeypatch.setattr(code_bundle, "MAX_BUNDLE_BYTES", 1024)
+    with pytest.raises(CodeBundleError, match=r"Largest: corpus.jsonl .*cluster.code_excludes"):
+        shipped_code(config_for(root))
+    monkeypatch.setattr(code_bundle.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert shipped_code(config_for(root, cluster={"code_dir": str(root), "code_excludes": ["*.jsonl"]})).files == 3
