@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,7 +33,10 @@ WARMUP_BATCH = 64
 WARMUP_SEED = 8
 
 
-def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+Example = Callable[[random.Random], tuple[str, str]]  # one (prompt, answer) pair of a task
+
+
+def build_tokenizer(seed: int = 0, make_example: Example = make_example) -> PreTrainedTokenizerFast:
     rng = random.Random(seed)
     lines = []
     for _ in range(2000):
@@ -79,14 +83,21 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return model
 
 
-def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int = WARMUP_SEED) -> None:
+def warm_up(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = WARMUP_SEED,
+    *,
+    make_example: Example = make_example,
+    steps: int = WARMUP_STEPS,
+) -> None:
     """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model.train()
-    for _ in range(WARMUP_STEPS):
-        input_ids, labels = _supervised_batch(tokenizer, rng)
+    for _ in range(steps):
+        input_ids, labels = _supervised_batch(tokenizer, rng, make_example)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -96,7 +107,9 @@ def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: i
     model.eval()
 
 
-def _supervised_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+def _supervised_batch(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, make_example: Example
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows: list[tuple[list[int], list[int]]] = []
     for _ in range(WARMUP_BATCH):
         prompt, answer = make_example(rng)
@@ -114,13 +127,21 @@ def _supervised_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random) ->
     return input_ids, labels
 
 
-def build_tiny_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
-    """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder."""
+def build_tiny_checkpoint(
+    out_dir: str | Path,
+    *,
+    warmup: bool = True,
+    make_example: Example = make_example,
+    warmup_steps: int = WARMUP_STEPS,
+    warmup_seed: int = WARMUP_SEED,
+) -> Path:
+    """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder; the bundled
+    reverse task by default, or any task given as ``make_example`` (random.Random -> prompt, answer)."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(make_example=make_example)
     model = build_model(tokenizer)
     if warmup:
-        warm_up(model, tokenizer)
+        warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,110 @@
+"""A user's own task on a live cluster, as a new user meets it: examples/sort_letters copied to a folder
+outside the repository (its own model warmed up on another task than the bundled one, its own Parquet
+data and reward module), a cluster started first with `trellis cluster up` from another folder, then
+`trellis train my.yaml` from the project's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pyarrow.dataset as ds
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TRELLIS = str(Path(sys.executable).with_name("trellis"))
+
+
+def run(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([TRELLIS, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def live_cluster(tmp_path_factory):
+    """`trellis cluster up` from a folder of its own, on a port and a home of the test's."""
+    from conftest import _free_port
+
+    home, elsewhere = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("elsewhere")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "RAY_"))}
+    env["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect"))
+    started = run("cluster", "up", "--home", str(home), "--port", str(_free_port()), "--num-cpus", "2", cwd=elsewhere, env=env)
+    assert started.returncode == 0, started.stderr
+    assert "127.0.0.1 only" in started.stdout
+    yield {"home": home, "env": env, "record": json.loads((home / "ray-head.json").read_text())}
+    assert run("cluster", "down", "--home", str(home), cwd=elsewhere, env=env).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("my-project")
+    shutil.copytree(ROOT / "examples" / "sort_letters", folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model", "data", "runs"))
+    prepared = subprocess.run([sys.executable, "prepare.py"], cwd=folder, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(folder)})
+    assert prepared.returncode == 0, prepared.stderr
+    return folder
+
+
+def greedy_accuracy(model_dir: Path, prompts: list[tuple[str, str]]) -> float:
+    """Held-out accuracy of a saved model, with plain transformers."""
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    right = 0
+    for prompt, answer in prompts:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        right += tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip() == answer
+    return right / len(prompts)
+
+
+def lake_rewards(project: Path) -> dict[int, list[float]]:
+    table = ds.dataset(project / "runs" / "sort_letters" / "trajectories" / "split=train", partitioning="hive").to_table()
+    rewards: dict[int, list[float]] = {}
+    for row in table.select(["step", "reward"]).to_pylist():
+        rewards.setdefault(row["step"], []).append(row["reward"])
+    return rewards
+
+
+def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(project, live_cluster):
+    home, env = str(live_cluster["home"]), live_cluster["env"]
+    first = run("train", "my.yaml", "--set", f"cluster.home={home}", "--set", "cluster.release_workers_at_end=false",
+                cwd=project, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr
+
+    metrics = [json.loads(line) for line in (project / "runs" / "sort_letters" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["response/rewards/mean"] for m in metrics if m["step"] > 0]
+    assert len(rewards) == 40 and sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05, rewards
+    sys.path.insert(0, str(project))
+    from task import make_example
+
+    rng = random.Random(12345)
+    held_out = [make_example(rng) for _ in range(256)]
+    before, after = greedy_accuracy(project / "model", held_out), greedy_accuracy(project / "runs" / "sort_letters" / "hf" / "step-000040", held_out)
+    assert after > before + 0.05, (before, after)
+
+    # Everything the head and the live workers listen on is loopback.
+    head = psutil.Process(live_cluster["record"]["pid"])
+    pids = {head.pid, *(child.pid for child in head.children(recursive=True))}
+    listening = {c.laddr.ip for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids}
+    assert listening and all(ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1") for ip in listening), listening
+    assert any("ray::ControllerActor" in " ".join(psutil.Process(pid).cmdline()) for pid in pids)  # the kept workers
+
+    # The user edits the reward function and trains on: the live workers were built from the old code.
+    (project / "myreward.py").write_text("def score(sample: dict) -> float:\n    return 0.0\n")
+    second = run("train", "my.yaml", "--set", f"cluster.home={home}", "--set", "total_train_steps=44", "--resume",
+                 cwd=project, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "differ from this run in the user code" in second.stderr
+    rewards_by_step = lake_rewards(project)
+    assert sorted(rewards_by_step) == list(range(1, 45))
+    assert all(r == 0.0 for step in range(41, 45) for r in rewards_by_step[step])
+    assert any(r > 0.0 for step in range(31, 41) for r in rewards_by_step[step])
