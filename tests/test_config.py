@@ -123,3 +123,12 @@ def test_an_unknown_key_does_not_hide_the_other_problems():
 def test_a_key_xtuner_has_and_trellis_does_not_yet_says_so():
     with pytest.raises(ConfigError, match="checkpoint_no_save_replay_buffer: no replay buffer exists"):
         load_config(None, **{**BASE, "checkpoint_no_save_replay_buffer": True})
+
+
+def test_runtime_envs_take_no_secrets_and_no_code():
+    """Ray shows runtime_envs in its records and dashboard; trellis ships the run's code itself."""
+    check("cluster.runtime_env.env_vars holds ['HF_TOKEN']", cluster={"runtime_env": {"env_vars": {"HF_TOKEN": "hf_x"}}})
+    check("rollout.runtime_env.env_vars holds ['AWS_SECRET_ACCESS_KEY']",
+          rollout={"runtime_env": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "k"}}})
+    check("cluster.runtime_env sets ['working_dir']", cluster={"runtime_env": {"working_dir": "."}})
+    assert load_config(None, **BASE, cluster={"runtime_env": {"pip": ["sympy"], "env_vars": {"OMP_NUM_THREADS": "1"}}})

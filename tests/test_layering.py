@@ -72,3 +72,33 @@ def test_flows_take_only_configs_plans_and_result_types_from_the_engine():
         return root_of(name) == "engine" and not any(name == allowed or name.startswith(f"{allowed}.") for allowed in FLOWS_MAY_IMPORT)
 
     assert offenders(sources("flows"), forbidden) == {}
+
+
+def engine_package(path: Path) -> str:
+    """engine/train/worker.py -> engine.train; engine/secrets.py -> engine.secrets (a module of its own)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:2]) if parts[-1] != "__init__" else ".".join(parts[:-1])
+
+
+def test_the_engine_packages_depend_on_each_other_without_cycles():
+    """Each folder of engine/ can be read (and tested) knowing only those below it."""
+    graph: dict[str, set[str]] = {}
+    for path in sources("engine"):
+        package = engine_package(path)
+        for name in imported_modules(path):
+            if root_of(name) == "engine" and name != "engine":
+                target = ".".join(name.split(".")[:2])
+                if target != package:
+                    graph.setdefault(package, set()).add(target)
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycles.append(trail[trail.index(node):] + [node])
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+
+    for start in sorted(graph):
+        visit(start, [])
+    assert cycles == []

@@ -1,11 +1,23 @@
-"""Evaluation: accuracy and pass@k per data source on a held-out prompt set."""
+"""Evaluation: accuracy and pass@k per data source on a held-out prompt set.
+
+Any sample with a ``status``, a ``reward`` and a ``data_source`` will do (``RolloutSample`` has them),
+so these functions need nothing from the rest of the engine.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Protocol, Sequence
 
-from engine.data.samples import RolloutSample, Status
+
+class ScoredSample(Protocol):
+    status: str  # "completed" when generated and scored
+    reward: float | None
+    data_source: str
+
+
+COMPLETED, FAILED = "completed", "failed"
 
 
 def pass_at_k_estimate(samples: int, correct: int, k: int) -> float:
@@ -15,9 +27,9 @@ def pass_at_k_estimate(samples: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
 
 
-def evaluation_metrics(groups: list[list[RolloutSample]], *, k: int, threshold: float = 0.5) -> dict[str, float]:
+def evaluation_metrics(groups: Sequence[Sequence[ScoredSample]], *, k: int, threshold: float = 0.5) -> dict[str, float]:
     """``accuracy`` (mean of correct samples), ``pass@k`` and ``failed`` overall and per data source."""
-    by_source: dict[str, list[list[RolloutSample]]] = defaultdict(list)
+    by_source: dict[str, Sequence[Sequence[ScoredSample]]] = defaultdict(list)
     for group in groups:
         by_source[group[0].data_source].append(group)
     metrics = _metrics_of(groups, k, threshold)
@@ -27,19 +39,19 @@ def evaluation_metrics(groups: list[list[RolloutSample]], *, k: int, threshold: 
     return metrics
 
 
-def _metrics_of(groups: list[list[RolloutSample]], k: int, threshold: float) -> dict[str, float]:
+def _metrics_of(groups: Sequence[Sequence[ScoredSample]], k: int, threshold: float) -> dict[str, float]:
     samples = [s for group in groups for s in group]
-    correct = [s.status == Status.COMPLETED and (s.reward or 0.0) > threshold for s in samples]
+    correct = [s.status == COMPLETED and (s.reward or 0.0) > threshold for s in samples]
     metrics = {
         "accuracy": sum(correct) / max(1, len(samples)),
-        "failed": float(sum(s.status == Status.FAILED for s in samples)),
+        "failed": float(sum(s.status == FAILED for s in samples)),
         "samples": float(len(samples)),
     }
     group_size = len(groups[0]) if groups else 0
     if group_size >= k > 1:
         scores = []
         for group in groups:
-            right = sum(s.status == Status.COMPLETED and (s.reward or 0.0) > threshold for s in group)
+            right = sum(s.status == COMPLETED and (s.reward or 0.0) > threshold for s in group)
             scores.append(pass_at_k_estimate(len(group), right, k))
         metrics[f"pass@{k}"] = sum(scores) / len(scores)
     return metrics

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
 
-from engine.secrets import REDACTED, redact_mapping
+from engine.secrets import REDACTED, looks_secret, redact_mapping
 
 
 def _no_masked_secrets(options: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +38,23 @@ def _absolute_if_local(location: str) -> str:
 
 # A file or folder: a local path (resolved when the config is read) or any fsspec URI.
 Location = Annotated[str, AfterValidator(_absolute_if_local)]
+
+
+def checked_runtime_env(runtime_env: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """A Ray runtime_env a user adds to the workers': no code (trellis ships it) and no secrets (Ray
+    shows runtime_envs in its records and dashboard)."""
+    if not runtime_env:
+        return runtime_env
+    managed = sorted(set(runtime_env) & {"working_dir", "py_modules", "excludes"})
+    if managed:
+        raise ValueError(f"{where} sets {managed}: trellis ships the run's code itself (cluster.code_dir, cluster.code_excludes).")
+    secret = sorted(name for name in (runtime_env.get("env_vars") or {}) if looks_secret(name))
+    if secret:
+        raise ValueError(
+            f"{where}.env_vars holds {secret}: Ray shows runtime_envs in its records and dashboard. Set them in the "
+            "launching shell and list them in cluster.forward_env instead."
+        )
+    return runtime_env
 
 
 class Frozen(BaseModel):

@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from engine.config.base import Frozen, Location
-from engine.secrets import looks_secret
+from engine.config.base import Frozen, Location, checked_runtime_env
 
 
 class ClusterConfig(Frozen):
@@ -71,22 +70,8 @@ class ClusterConfig(Frozen):
 
     @field_validator("runtime_env")
     @classmethod
-    def _no_secrets_or_code_in_runtime_env(cls, runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
-        if not runtime_env:
-            return runtime_env
-        managed = sorted(set(runtime_env) & {"working_dir", "py_modules", "excludes"})
-        if managed:
-            raise ValueError(
-                f"cluster.runtime_env sets {managed}: trellis ships the run's code itself (cluster.code_dir, "
-                "cluster.code_excludes)."
-            )
-        secret = sorted(name for name in (runtime_env.get("env_vars") or {}) if looks_secret(name))
-        if secret:
-            raise ValueError(
-                f"cluster.runtime_env.env_vars holds {secret}: Ray shows runtime_envs in its records and dashboard. Set "
-                "them in the launching shell and list them in cluster.forward_env instead."
-            )
-        return runtime_env
+    def _check_runtime_env(cls, runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
+        return checked_runtime_env(runtime_env, "cluster.runtime_env")
 
     def overlaps_next_rollout(self, rollout_on_gpu: bool) -> bool:
         return rollout_on_gpu if self.overlap_next_rollout is None else self.overlap_next_rollout

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from engine.config.base import Frozen, Location, StorageOptions
+from engine.config.base import Frozen, Location, StorageOptions, checked_runtime_env
 
 
 class DatasetConfig(Frozen):
@@ -44,6 +44,12 @@ class RolloutConfig(Frozen):
         description="Ray runtime_env of the rollout worker, e.g. {env_vars: {PYTHONPATH: '/opt/vllm-site:${PYTHONPATH}'}} "
         "where vLLM lives outside the cluster's environment.",
     )
+
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _check_runtime_env(cls, runtime_env: dict[str, Any] | None) -> dict[str, Any] | None:
+        return checked_runtime_env(runtime_env, "rollout.runtime_env")
 
 
 class RewardConfig(Frozen):
