@@ -210,9 +210,13 @@ class ControllerInfo:
     train_report: str
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"records": 1})
 class ControllerActor(BuiltFrom):
-    """Produces, prepares, evaluates and stores batches; batches stay in the object store."""
+    """Produces, prepares, evaluates and stores batches; batches stay in the object store.
+
+    The run's metric trackers are written in a concurrency group of their own: ``log_step`` must
+    not queue behind the next step's rollout, which ``start_rollout`` launched on this actor.
+    """
 
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials) -> None:
         super().__init__(config, fingerprint, credentials)
@@ -227,17 +231,21 @@ class ControllerActor(BuiltFrom):
     def has_produced(self) -> bool:
         return self.controller.has_produced
 
+    @ray.method(concurrency_group="records")
     def open_trackers(self, first_step: int) -> None:
         """The run's trackers live here, beside the workers, so that a step retried in another
         process finds them (and TensorBoard writes one event file per run start, not per step)."""
-        self.close_trackers()
+        if self.trackers is not None:
+            self.trackers.close()
         self.trackers = Trackers(self.config, first_step)
 
+    @ray.method(concurrency_group="records")
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.trackers is None:
-            self.open_trackers(first_step=step)
+            self.trackers = Trackers(self.config, first_step=step)
         self.trackers.log(metrics, step)
 
+    @ray.method(concurrency_group="records")
     def close_trackers(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
