@@ -120,9 +120,14 @@ def test_an_unknown_key_does_not_hide_the_other_problems():
     assert "  - config: Evaluation is enabled but eval_dataset is not set" in message
 
 
-def test_a_key_xtuner_has_and_trellis_does_not_yet_says_so():
-    with pytest.raises(ConfigError, match="checkpoint_no_save_replay_buffer: no replay buffer exists"):
-        load_config(None, **{**BASE, "checkpoint_no_save_replay_buffer": True})
+def test_replay_buffer_settings_belong_to_the_disaggregated_trainer():
+    check("checkpoint_no_save_replay_buffer is set, but only trainer: disaggregated", checkpoint_no_save_replay_buffer=True)
+    check("replay_buffer is set, but only trainer: disaggregated", replay_buffer={"max_staleness": 1})
+    check("rollout_resources.num_workers: one worker per side", trainer="disaggregated", rollout_resources={"num_workers": 2})
+    check("needs replay_buffer.enable_partial_rollout", trainer="disaggregated",
+          replay_buffer={"mask_offpolicy_in_partial_rollout": True})
+    config = load_config(None, **BASE, trainer="disaggregated", replay_buffer={"max_staleness": 1}, sync_weights_interval=2)
+    assert config.stale_after == 4
 
 
 def test_runtime_envs_take_no_secrets_and_no_code():

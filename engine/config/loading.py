@@ -56,7 +56,6 @@ def parse_config(raw: dict[str, Any]) -> TrellisConfig:
 # Keys that an earlier trellis accepted (or that XTuner has and trellis does not yet), and what to do.
 RETIRED = {
     "train_worker.share_prompt_prefix": "renamed; use train_worker.layout (shared_prefix for true, padded for false)",
-    "checkpoint_no_save_replay_buffer": "no replay buffer exists before the asynchronous trainer; remove the key",
 }
 
 

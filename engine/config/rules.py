@@ -95,4 +95,23 @@ def algorithm_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
-RULES = (mode_problems, length_problems, interval_problems, algorithm_problems)
+def trainer_problems(config: TrellisConfig) -> list[str]:
+    """The disaggregated trainer's settings, and only with it."""
+    problems = []
+    if not config.disaggregated:
+        if config.replay_buffer != type(config.replay_buffer)():
+            problems.append("replay_buffer is set, but only trainer: disaggregated has a replay buffer.")
+        if config.checkpoint_no_save_replay_buffer:
+            problems.append("checkpoint_no_save_replay_buffer is set, but only trainer: disaggregated has a replay buffer.")
+        return problems
+    if config.debug_rollout or config.debug_train:
+        problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
+    for side in ("train_resources", "rollout_resources"):
+        if getattr(config, side).num_workers != 1:
+            problems.append(f"{side}.num_workers: one worker per side for now (several arrive with multi-GPU training).")
+    if config.replay_buffer.mask_offpolicy_in_partial_rollout and not config.replay_buffer.enable_partial_rollout:
+        problems.append("replay_buffer.mask_offpolicy_in_partial_rollout needs replay_buffer.enable_partial_rollout.")
+    return problems
+
+
+RULES = (mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems)

@@ -172,6 +172,47 @@ class TrainWorkerConfig(Frozen):
         return self
 
 
+class ResourcesConfig(Frozen):
+    """What one side of a disaggregated run holds (XTuner's ``AcceleratorResourcesConfig``)."""
+
+    num_workers: int = Field(1, ge=1, description="Workers of this side (one per side for now).")
+    accelerators_per_worker: float = Field(
+        1.0, gt=0.0, description="GPUs per worker on a cluster with GPUs; CPUs per worker on a CPU cluster."
+    )
+
+
+class ReplayBufferConfig(Frozen):
+    """The disaggregated trainer's buffer of scored groups (XTuner's Sync/AsyncReplayBufferConfig, with the
+    staleness knobs of its produce strategy). Staleness of a sample trained at step t is t - v - 1, v the
+    policy version of its oldest token: 0 for data made by the weights just before t."""
+
+    kind: Literal["sync", "async"] = Field(
+        "sync", description="Which buffered groups a step takes first: sync the oldest, async the stalest."
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="How many weight syncs behind a sample may be when trained: the producer runs at most "
+        "(max_staleness + 1) x sync_weights_interval steps ahead, and older buffered groups expire.",
+    )
+    enable_partial_rollout: bool = Field(
+        False,
+        description="On a pause for weight sync, stop generating at once and keep what each sample has; it is "
+        "continued with the new weights (each token records its policy version). Off: the pause waits for the "
+        "generation in progress.",
+    )
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False, description="Leave out of the loss the tokens a continued sample got from an older policy (slime's option)."
+    )
+    tail_batch_trigger_size: int = Field(
+        0,
+        ge=-1,
+        le=0,
+        description="Expired groups: 0 generates them again before any new prompt, so every prompt of an epoch is "
+        "trained once; -1 drops them (XTuner's default: the ledger then records those prompts as never trained).",
+    )
+
+
 class LoadCheckpointConfig(Frozen):
     """An explicit checkpoint to start from (``auto_resume`` finds the latest one by itself)."""
 

@@ -21,6 +21,8 @@ from engine.config.sections import (
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,
+    ReplayBufferConfig,
+    ResourcesConfig,
     RewardConfig,
     RolloutConfig,
     TrainWorkerConfig,
@@ -64,6 +66,11 @@ class TrellisConfig(Frozen):
     hf_interval: int | None = -1
     hf_max_keep: int | None = -1
     checkpoint_no_save_optimizer: bool = False
+    checkpoint_no_save_replay_buffer: bool = Field(
+        False,
+        description="disaggregated: keep only the buffered prompts in checkpoints (not their generations), "
+        "which a resume generates again.",
+    )
     auto_resume: bool = Field(False, description="Continue from the latest complete checkpoint of this run, if any.")
     load_checkpoint_cfg: LoadCheckpointConfig = Field(default_factory=LoadCheckpointConfig)
 
@@ -73,6 +80,16 @@ class TrellisConfig(Frozen):
     debug_train: bool = False
     debug_rollout_dir: Location | None = None
     exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
+
+    trainer: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="colocated: every step generates, then trains, on shared devices. disaggregated: a producer on "
+        "the rollout workers keeps generating into a replay buffer while the trainer trains (XTuner's "
+        "RLDisaggregatedTrainer).",
+    )
+    train_resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    rollout_resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
@@ -81,6 +98,15 @@ class TrellisConfig(Frozen):
         if problems:
             raise ValueError("\n".join(problems))  # the loader lists each line as one problem
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.trainer == "disaggregated"
+
+    @property
+    def stale_after(self) -> int:
+        """A sample this stale (see ReplayBufferConfig) is too old to train."""
+        return (self.replay_buffer.max_staleness + 1) * self.sync_weights_interval
 
     @property
     def tokenizer_source(self) -> str:
