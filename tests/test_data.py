@@ -66,3 +66,14 @@ def test_missing_path_and_unusable_dataset_are_clear_errors(tmp_path, tokenizer)
     empty.write_text(json.dumps({"label": 1}) + "\n")
     with pytest.raises(DatasetError, match="no usable rows: 1 rows read, 0 usable, skipped: 1 no prompt"):
         load_prompts(DatasetConfig(path=str(empty)), tokenizer)
+
+
+def test_a_row_may_cap_its_own_response_length(tmp_path, tokenizer):
+    """Tried: a positive cap, none, zero, a string and a boolean; the last three are skipped by reason."""
+    caps = [5, None, 0, "10", True]
+    path = tmp_path / "caps.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse A{i}", "max_new_tokens": cap}) + "\n" for i, cap in enumerate(caps)))
+    records, report = load_prompts(DatasetConfig(path=str(path)), tokenizer)
+    assert [r.max_new_tokens for r in records] == [5, None]
+    assert all("max_new_tokens" not in r.extra for r in records)  # a sampling setting, not a reward input
+    assert dict(report.skipped) == {"bad max_new_tokens": 3}

@@ -115,6 +115,33 @@ def test_length_limit_and_extra_stop_tokens(backend_name, tiny_model, tokenizer,
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
+def test_each_prompt_may_carry_its_own_length_cap(backend_name, tiny_model, tokenizer, prompts):
+    """Tried: caps of 1, 2, 3 and 8 tokens in one call; none is exceeded, and a capped sample that
+    did not draw a stop token says "length"."""
+    backend = make_backend(backend_name, tiny_model, tokenizer)
+    limits = [1, 3, 8, 2]
+    out = backend.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=7), limits)
+    for limit, generation in zip(limits, out):
+        assert 0 < len(generation.response_ids) <= limit
+        assert len(generation.logprobs) == len(generation.response_ids)
+        if generation.response_ids[-1] != tokenizer.eos_token_id:
+            assert generation.finish_reason == "length" and len(generation.response_ids) == limit
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_an_aborted_backend_returns_at_once_until_it_resumes(backend_name, tiny_model, tokenizer, prompts):
+    backend = make_backend(backend_name, tiny_model, tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    backend.abort()
+    try:
+        aborted = backend.generate(prompts, params)
+    finally:
+        backend.resume_generation()
+    assert [(g.response_ids, g.finish_reason) for g in aborted] == [([], "abort")] * len(prompts)
+    assert all(g.finish_reason in ("stop", "length") and g.response_ids for g in backend.generate(prompts, params))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
 def test_loading_weights_changes_the_policy_and_its_version(backend_name, tiny_model, tokenizer, prompts):
     backend = make_backend(backend_name, tiny_model, tokenizer)
     params = SamplingParams(max_new_tokens=8, temperature=0.0)

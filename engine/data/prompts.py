@@ -1,7 +1,8 @@
 """Prompt datasets: read Parquet or JSONL through fsspec, keep usable rows, count the rest.
 
 A row needs a prompt (a string, or a list of ``{"role", "content"}`` messages). Its label, data
-source and task name are optional; every other column travels to the reward function as an extra.
+source and task name are optional, and so is ``max_new_tokens``, the prompt's own cap on response
+tokens (below ``rollout.max_new_tokens``); every other column travels to the reward function as an extra.
 Rows that cannot be used are skipped and counted by reason, never silently dropped.
 """
 
@@ -20,6 +21,8 @@ from engine.config import DatasetConfig
 
 logger = logging.getLogger(__name__)
 
+MAX_NEW_TOKENS_KEY = "max_new_tokens"
+
 
 @dataclass(frozen=True)
 class PromptRecord:
@@ -30,6 +33,7 @@ class PromptRecord:
     data_source: str = "default"
     task_name: str = "default"
     extra: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -133,7 +137,11 @@ def _to_record(
     if len(prompt_ids) > config.max_prompt_length:
         report.skip("prompt too long", f"row {index}: {len(prompt_ids)} > {config.max_prompt_length} tokens")
         return None
-    known = {config.prompt_key, config.label_key, config.data_source_key, config.task_name_key}
+    max_new_tokens = row.get(MAX_NEW_TOKENS_KEY)
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        report.skip(f"bad {MAX_NEW_TOKENS_KEY}", f"row {index}: {MAX_NEW_TOKENS_KEY}={max_new_tokens!r} is not a positive integer")
+        return None
+    known = {config.prompt_key, config.label_key, config.data_source_key, config.task_name_key, MAX_NEW_TOKENS_KEY}
     return PromptRecord(
         index=index,
         messages=messages,
@@ -142,6 +150,7 @@ def _to_record(
         data_source=str(row.get(config.data_source_key) or "default"),
         task_name=str(row.get(config.task_name_key) or "default"),
         extra={k: v for k, v in row.items() if k not in known},
+        max_new_tokens=max_new_tokens,
     )
 
 

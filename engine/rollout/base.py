@@ -4,7 +4,7 @@ response token ids, their logprobs under the sampling policy, text and a finish 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol, Sequence
+from typing import Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 
@@ -41,7 +41,18 @@ class RolloutBackend(Protocol):
         """The trainer step whose weights this backend serves (0 = the initial checkpoint)."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        """One generation per prompt. ``limits[i]`` (at most ``params.max_new_tokens``) caps prompt i's
+        new tokens; a sample that reaches its cap ends with ``finish_reason`` "length"."""
+        ...
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
+        """As ``generate``, but each (prompt index, generation) comes as soon as that sample ends,
+        so a caller can use finished groups while the long ones go on."""
         ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
@@ -53,3 +64,22 @@ class RolloutBackend(Protocol):
 
     def onload(self) -> None:
         ...
+
+    def abort(self) -> None:
+        """From another thread: stop generating soon; unfinished samples return what they have,
+        with ``finish_reason`` "abort", and later calls return at once, until ``resume_generation``."""
+        ...
+
+    def resume_generation(self) -> None:
+        ...
+
+
+def in_order(stream: Iterable[tuple[int, Generation]], count: int) -> list[Generation]:
+    """The generations of a ``stream`` over ``count`` prompts, in prompt order."""
+    generations: list[Generation | None] = [None] * count
+    for index, generation in stream:
+        generations[index] = generation
+    missing = [i for i, g in enumerate(generations) if g is None]
+    if missing:
+        raise RuntimeError(f"The rollout backend returned no generation for prompts {missing[:5]} of {count}.")
+    return generations  # type: ignore[return-value]

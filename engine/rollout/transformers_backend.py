@@ -7,14 +7,15 @@ from the same logits it samples from.
 
 from __future__ import annotations
 
+import threading
 import warnings
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
 
 from engine.data.token_rows import left_pad, unique_rows
-from engine.rollout.base import Generation, SamplingParams
+from engine.rollout.base import FinishReason, Generation, SamplingParams, in_order
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
@@ -41,15 +42,23 @@ class TransformersRollout:
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._eos_ids = tuple(sorted(_eos_ids(tokenizer, self._model)))
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
+        self._abort = threading.Event()
 
     @property
     def policy_version(self) -> int:
         return self._policy_version
 
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        return in_order(self.stream(prompts, params, limits), len(prompts))
+
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
         if not prompts:
-            return []
+            return
         generator = self._generator
         if params.seed is not None:
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
@@ -66,25 +75,42 @@ class TransformersRollout:
             cache.reorder_cache(row_of_sample)
             logits, attention_mask, position_ids = (t.index_select(0, row_of_sample) for t in (logits, attention_mask, position_ids))
         batch = len(prompts)
+        limit_B = torch.tensor(limits if limits is not None else [params.max_new_tokens] * batch, device=self._device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self._device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self._device)
         tokens_BT = torch.full((batch, params.max_new_tokens), self._pad_id, device=self._device)
         logprobs_BT = torch.zeros(batch, params.max_new_tokens, device=self._device)
         lengths_B = torch.zeros(batch, dtype=torch.long, device=self._device)
 
         for t in range(params.max_new_tokens):
+            if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
+                break
             token_B, logprob_B = sample_tokens(logits, params, generator)
             alive = ~finished
             tokens_BT[:, t] = torch.where(alive, token_B, self._pad_id)
             logprobs_BT[:, t] = torch.where(alive, logprob_B, 0.0)
             lengths_B += alive.long()
-            finished |= torch.isin(token_B, stop_ids)
-            if bool(finished.all()) or t == params.max_new_tokens - 1:
-                break
+            stopped |= alive & torch.isin(token_B, stop_ids)
+            finished |= stopped | (lengths_B >= limit_B)
+            if t == params.max_new_tokens - 1:
+                finished[:] = True
+            for row in (alive & finished).nonzero().flatten().tolist():
+                yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, row, "stop" if stopped[row] else "length")
+            if bool(finished.all()):
+                return
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
             logits = self._forward(tokens_BT[:, t : t + 1], attention_mask, position_ids, cache)
+        for row in (~finished).nonzero().flatten().tolist():  # interrupted
+            yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, row, "abort")
 
-        return self._to_generations(tokens_BT, logprobs_BT, lengths_B, finished)
+    def abort(self) -> None:
+        """Stop generating at the next token (from another thread) until ``resume_generation``:
+        unfinished samples come back with what they have and ``finish_reason`` "abort"."""
+        self._abort.set()
+
+    def resume_generation(self) -> None:
+        self._abort.clear()
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         with torch.no_grad():
@@ -112,22 +138,11 @@ class TransformersRollout:
         )
         return out.logits[:, -1, :].float()
 
-    def _to_generations(self, tokens_BT, logprobs_BT, lengths_B, finished_B) -> list[Generation]:
-        tokens = tokens_BT.tolist()
-        logprobs = logprobs_BT.float().tolist()
-        lengths = lengths_B.tolist()
-        stopped = finished_B.tolist()
-        responses = [tokens[row][: lengths[row]] for row in range(len(tokens))]
-        texts = self._tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return [
-            Generation(
-                response_ids=responses[row],
-                logprobs=logprobs[row][: lengths[row]],
-                text=texts[row],
-                finish_reason="stop" if stopped[row] else "length",
-            )
-            for row in range(len(tokens))
-        ]
+    def _generation(self, tokens_BT, logprobs_BT, lengths_B, row: int, reason: FinishReason) -> Generation:
+        length = int(lengths_B[row])
+        ids = tokens_BT[row, :length].tolist()
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return Generation(response_ids=ids, logprobs=logprobs_BT[row, :length].float().tolist(), text=text, finish_reason=reason)
 
 
 def sample_tokens(

@@ -10,12 +10,13 @@ engine to sleep (weights and KV cache leave the GPU, level 1 keeps a CPU copy of
 from __future__ import annotations
 
 import os
+import threading
 from typing import Iterator, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.rollout.base import FinishReason, Generation, SamplingParams
+from engine.rollout.base import FinishReason, Generation, SamplingParams, in_order
 
 # Set before vLLM is imported: one process, so weight hand-over needs no IPC.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -42,6 +43,8 @@ class VllmRollout:
         self._tokenizer = tokenizer
         self._sleep_level = sleep_level
         self._asleep = False
+        self._abort = threading.Event()
+        self._calls = 0
         self._weights_awake = True
         self._policy_version = 0
         self._seed = seed
@@ -61,28 +64,68 @@ class VllmRollout:
     def policy_version(self) -> int:
         return self._policy_version
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        if not prompts:
-            return []
-        self.onload()
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = self._llm.generate(requests, [self._sampling(params, i) for i in range(len(prompts))], use_tqdm=False)
-        completions = [output.outputs[0] for output in outputs]
-        token_ids = [list(c.token_ids) for c in completions]
-        texts = self._tokenizer.batch_decode(token_ids, skip_special_tokens=True)  # one call: the Rust side batches
-        generations = []
-        for completion, ids, text in zip(completions, token_ids, texts):
-            logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [])]
-            reason: FinishReason = _FINISH.get(completion.finish_reason or "", "length")
-            generations.append(Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason))
-        return generations
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        return in_order(self.stream(prompts, params, limits), len(prompts))
 
-    def _sampling(self, params: SamplingParams, index: int):
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
+        """Drives the engine a step at a time (as ``LLM.generate`` does inside): each sample comes out
+        when it ends, and ``abort`` from another thread takes effect at the next step, the partial
+        responses kept."""
+        if not prompts:
+            return
+        if self._abort.is_set():
+            for index in range(len(prompts)):
+                yield index, Generation(response_ids=[], logprobs=[], text="", finish_reason="abort")
+            return
+        self.onload()
+        engine = self._llm.llm_engine
+        self._calls += 1
+        request_ids = [f"c{self._calls}-{i}" for i in range(len(prompts))]
+        index_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+            limit = params.max_new_tokens if limits is None else limits[i]
+            engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, self._sampling(params, i, limit))
+        token_ids: dict[str, list[int]] = {r: [] for r in request_ids}
+        logprobs: dict[str, list[float]] = {r: [] for r in request_ids}
+        try:
+            while index_of and engine.has_unfinished_requests():
+                if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
+                    break
+                for output in engine.step():
+                    request_id, completion = output.request_id, output.outputs[0]  # a delta: this step's tokens
+                    token_ids[request_id] += completion.token_ids
+                    logprobs[request_id] += [e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs or [])]
+                    if output.finished:
+                        reason = _FINISH.get(completion.finish_reason or "", "length")
+                        yield index_of.pop(request_id), self._generation(token_ids[request_id], logprobs[request_id], reason)
+        finally:  # an abort, or a caller that stopped listening: the engine keeps nothing of this call
+            engine.abort_request(list(index_of))
+        for request_id, index in index_of.items():
+            yield index, self._generation(token_ids[request_id], logprobs[request_id], "abort")
+
+    def _generation(self, ids: list[int], logprobs: list[float], reason: FinishReason) -> Generation:
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason)
+
+    def abort(self) -> None:
+        """Stop generating at the next engine step (from another thread) until ``resume_generation``:
+        unfinished samples come back with what they have and ``finish_reason`` "abort"."""
+        self._abort.set()
+
+    def resume_generation(self) -> None:
+        self._abort.clear()
+
+    def _sampling(self, params: SamplingParams, index: int, limit: int):
         from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         greedy = params.temperature <= 0.0
         return VllmSamplingParams(
-            max_tokens=params.max_new_tokens,
+            max_tokens=limit,
             temperature=0.0 if greedy else params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,
@@ -91,6 +134,7 @@ class VllmRollout:
             seed=None if params.seed is None else (params.seed * 1_000_003 + index) % (2**31 - 1),
             logprobs=0,
             detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
         )
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
