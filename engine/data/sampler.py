@@ -41,7 +41,11 @@ class PromptSampler(Generic[T]):
         return self._state.epoch
 
     def sample(self, count: int) -> list[T]:
-        batch: list[T] = []
+        return [item for _, item in self.draw(count)]
+
+    def draw(self, count: int) -> list[tuple[int, T]]:
+        """The next ``count`` items, each with the epoch it was drawn in."""
+        batch: list[tuple[int, T]] = []
         while len(batch) < count:
             if self._state.position == len(self._order):
                 self._state.epoch += 1
@@ -49,7 +53,7 @@ class PromptSampler(Generic[T]):
                 self._order = self._permutation(self._state.epoch)
             take = min(count - len(batch), len(self._order) - self._state.position)
             indices = self._order[self._state.position : self._state.position + take]
-            batch.extend(self._items[i] for i in indices)
+            batch.extend((self._state.epoch, self._items[i]) for i in indices)
             self._state.position += take
             self._state.consumed += take
         return batch

@@ -34,13 +34,20 @@ class RolloutSample:
     logprobs: list[float] = field(default_factory=list)
     response: str = ""
     finish_reason: str = ""
-    response_mask: list[int] | None = None  # 0 marks tool-output tokens that are not trained on
+    response_mask: list[int] | None = None  # 0 marks tokens not trained on (tool output, masked off-policy tokens)
+    response_versions: list[int] = field(default_factory=list)  # policy version that generated each response token
     status: Status = Status.COMPLETED
     error: str | None = None
     reward: float | None = None
     reward_payload: dict[str, Any] = field(default_factory=dict)
-    policy_version: int = 0
+    policy_version: int = 0  # the policy that began the response (its oldest token's)
     train_step: int = 0
+    epoch: int = 0  # of the prompt sampler, when the prompt was drawn
+    max_new_tokens: int | None = None  # the prompt's own cap on response tokens (None: the run's)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.response_versions) if self.response_versions else self.policy_version
 
     def reward_input(self) -> dict[str, Any]:
         """What a reward function sees."""

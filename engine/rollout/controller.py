@@ -5,12 +5,16 @@ backend into scored batches. Used in-process by ``LocalRun`` and as a Ray actor 
 step draws the same prompts with the same seed instead of skipping ahead, and the latest batches are
 kept, so a rollout launched ahead of its step (``start_rollout``) is collected by the step's
 ``produce_batch`` from whichever process asks.
+
+With ``trainer: disaggregated`` it also owns the background producer and its replay buffer
+(``engine.rollout.producer``); produced groups land in the lake as they are scored.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
 from transformers import AutoTokenizer
 
 from engine.algo.eval_metrics import evaluation_metrics
@@ -27,9 +31,19 @@ from engine.rollout.produce import (
     sampling_params,
     step_seed,
 )
+from engine.rollout.producer import Producer
 from engine.rollout.rewards import RewardRunner
 from engine.storage.checkpoints import load_object, save_object
-from engine.storage.lake import read_groups, summary, write_samples
+from engine.storage.lake import (
+    SCHEMA,
+    produced_uri,
+    read_groups,
+    summary,
+    to_row,
+    write_part,
+    write_samples,
+)
+from engine.storage.ledger import write_ledger
 
 _KEPT_SNAPSHOTS = 4
 _KEPT_BATCHES = 2
@@ -47,6 +61,12 @@ class Controller:
         self.rewards = RewardRunner(config.reward)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
+        self.producer: Producer | None = None
+        if config.disaggregated:
+            self.producer = Producer(
+                config, sampler=self.sampler, rewards=self.rewards, record=self._record_produced,
+                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            )
 
     @property
     def dataset_size(self) -> int:
@@ -71,7 +91,7 @@ class Controller:
             for old in sorted(self._sampler_before_step)[:-_KEPT_SNAPSHOTS]:
                 del self._sampler_before_step[old]
         produced = rollout_groups(
-            self.sampler.sample(self.config.train_batch_size),
+            self.sampler.draw(self.config.train_batch_size),
             repeat=self.config.prompt_repeat_k,
             backend=backend,
             rewards=self.rewards,
@@ -98,7 +118,7 @@ class Controller:
     def evaluate(self, step: int, backend: RolloutBackend) -> tuple[list[list[RolloutSample]], dict[str, float]]:
         rollout = self.config.rollout
         produced = rollout_groups(
-            self.eval_prompts,
+            [(0, prompt) for prompt in self.eval_prompts],
             repeat=rollout.eval_samples_per_prompt,
             backend=backend,
             rewards=self.rewards,
@@ -109,21 +129,28 @@ class Controller:
         return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
 
     def write_trajectories(self, groups: list[list[RolloutSample]], step: int, split: str) -> tuple[str, dict[str, float]]:
+        """A step's samples into the lake; for a training step, its groups into the ledger too."""
         samples = [sample for group in groups for sample in group]
+        config = self.config
         uri = write_samples(
-            samples,
-            run_uri=self.config.trajectory_root(split),
-            run=self.config.experiment_name,
-            split=split,
-            step=step,
-            storage_options=self.config.storage_options,
+            samples, run_uri=config.trajectory_root(split), run=config.experiment_name, split=split, step=step,
+            storage_options=config.storage_options,
         )
+        if split == "train" and not config.debug_rollout:
+            write_ledger(groups, run_uri=config.run_uri, run=config.experiment_name, step=step, storage_options=config.storage_options)
         return uri, summary(samples)
+
+    def _record_produced(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
+        table = pa.Table.from_pylist([to_row(s, self.config.experiment_name) for group in groups for s in group], schema=SCHEMA)
+        write_part(table, produced_uri(self.config.run_uri, round_index), self.config.storage_options, part=part)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "rng": capture_rng()}
+        state = {"sampler": self.sampler.state_dict(), "rng": capture_rng()}
+        if self.producer is not None:
+            state["producer"] = self.producer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], *, load_dataset: bool = True) -> None:
         if load_dataset:
@@ -131,13 +158,19 @@ class Controller:
         self._sampler_before_step.clear()
         self._produced.clear()
         restore_rng(state["rng"])
+        if self.producer is not None and "producer" in state:
+            self.producer.load_state_dict(state["producer"])
 
     def save_checkpoint(self, uri: str) -> None:
         save_object(self.state_dict(), f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
 
     def load_checkpoint(self, uri: str, *, load_dataset: bool = True) -> None:
+        if self.producer is not None:  # a live controller of a failed attempt may still be producing
+            self.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
         state = load_object(f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
         self.load_state_dict(state, load_dataset=load_dataset)
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.shutdown()
         self.rewards.close()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.base import RolloutBackend, SamplingParams
+from engine.rollout.base import Generation, RolloutBackend, SamplingParams
 from engine.rollout.rewards import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
 
@@ -52,8 +54,116 @@ def step_seed(base_seed: int, step: int, salt: int = 0) -> int:
     return (base_seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
 
 
+def new_groups(
+    prompts: list[tuple[int, PromptRecord]], *, repeat: int, version: int, train_step: int, id_prefix: str
+) -> list[list[RolloutSample]]:
+    """``repeat`` empty samples for each (epoch, prompt); one group per prompt, ids unique per
+    ``id_prefix`` and ``train_step`` (the step the batch is made for)."""
+    groups = []
+    for g, (epoch, prompt) in enumerate(prompts):
+        group_id = f"{id_prefix}{train_step:06d}-g{g:04d}"
+        groups.append([
+            RolloutSample(
+                rollout_id=f"{group_id}-{k:03d}",
+                group_id=group_id,
+                session_id=f"{group_id}-{k:03d}",
+                prompt_index=prompt.index,
+                messages=list(prompt.messages),
+                prompt_ids=list(prompt.prompt_ids),
+                label=prompt.label,
+                data_source=prompt.data_source,
+                task_name=prompt.task_name,
+                extra=dict(prompt.extra),
+                policy_version=version,
+                train_step=train_step,
+                epoch=epoch,
+                max_new_tokens=prompt.max_new_tokens,
+            )
+            for k in range(repeat)
+        ])
+    return groups
+
+
+def generate(
+    samples: list[RolloutSample],
+    backend: RolloutBackend,
+    params: SamplingParams,
+    decode: Callable[[list[int]], str] | None = None,
+) -> None:
+    """Generate the rest of each sample's response in one backend call: from the prompt, or, for a
+    sample a pause interrupted (partial rollout), from the prompt and the tokens it already has,
+    within what is left of its budget (``params.max_new_tokens``, or the prompt's own cap below it).
+    New tokens carry the backend's policy version; a sample interrupted again stays ABORTED, with
+    what it has. ``decode`` turns a continued sample's whole response into text (texts of two halves
+    need not join up at a token boundary)."""
+    if not samples:
+        return
+    lefts, step_params = _budgets(samples, params)
+    generations = backend.generate([s.prompt_ids + s.response_ids for s in samples], step_params, lefts)
+    for sample, generation, left in zip(samples, generations, lefts):
+        extend(sample, generation, left, backend.policy_version, decode)
+
+
+def generate_streaming(
+    samples: list[RolloutSample],
+    backend: RolloutBackend,
+    params: SamplingParams,
+    decode: Callable[[list[int]], str] | None = None,
+) -> Iterator[RolloutSample]:
+    """As ``generate``, yielding each sample as soon as it ends (stopped, capped or interrupted)."""
+    if not samples:
+        return
+    lefts, step_params = _budgets(samples, params)
+    version = backend.policy_version
+    for index, generation in backend.stream([s.prompt_ids + s.response_ids for s in samples], step_params, lefts):
+        extend(samples[index], generation, lefts[index], version, decode)
+        yield samples[index]
+
+
+def _budgets(samples: list[RolloutSample], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    lefts = [max(1, budget_of(s, params) - len(s.response_ids)) for s in samples]
+    return lefts, dataclasses.replace(params, max_new_tokens=max(lefts))
+
+
+def extend(
+    sample: RolloutSample, generation: Generation, left: int, version: int, decode: Callable[[list[int]], str] | None
+) -> None:
+    """Append ``generation`` (at most ``left`` tokens, made by policy ``version``) to ``sample``."""
+    continued = bool(sample.response_ids)
+    if not continued:  # a fresh start: the response begins with the current policy
+        sample.policy_version = version
+    new_ids, new_logprobs = generation.response_ids[:left], generation.logprobs[:left]
+    earlier_versions = sample.response_versions or [sample.policy_version] * len(sample.response_ids)
+    sample.response_versions = earlier_versions + [version] * len(new_ids)
+    sample.response_ids = sample.response_ids + new_ids
+    sample.logprobs = sample.logprobs + new_logprobs
+    if not continued:
+        sample.response = generation.text
+    else:
+        sample.response = decode(sample.response_ids) if decode is not None else sample.response + generation.text
+    truncated = len(generation.response_ids) > left
+    sample.finish_reason = "length" if truncated else generation.finish_reason
+    sample.status = Status.ABORTED if sample.finish_reason == "abort" else Status.COMPLETED
+
+
+def budget_of(sample: RolloutSample, params: SamplingParams) -> int:
+    """A sample's cap on response tokens: the run's, or its prompt's own when that is smaller."""
+    return min(params.max_new_tokens, sample.max_new_tokens or params.max_new_tokens)
+
+
+def score(samples: list[RolloutSample], rewards: RewardRunner) -> None:
+    """Score the completed samples; a reward function that fails marks its sample FAILED."""
+    scorable = [s for s in samples if s.status == Status.COMPLETED]
+    for sample, result in zip(scorable, rewards.score([s.reward_input() for s in scorable])):
+        if result.error is not None:
+            sample.fail(result.error)
+        else:
+            sample.reward = result.score
+            sample.reward_payload = result.payload
+
+
 def rollout_groups(
-    prompts: list[PromptRecord],
+    prompts: list[tuple[int, PromptRecord]],
     *,
     repeat: int,
     backend: RolloutBackend,
@@ -62,44 +172,12 @@ def rollout_groups(
     train_step: int,
     id_prefix: str,
 ) -> ProduceResult:
-    """Generate and score ``repeat`` samples for each prompt; one group per prompt."""
+    """Generate and score ``repeat`` samples for each (epoch, prompt); one group per prompt."""
     launched_s, started = time.time(), time.perf_counter()
-    samples: list[RolloutSample] = []
-    for g, prompt in enumerate(prompts):
-        for k in range(repeat):
-            rollout_id = f"{id_prefix}{train_step:06d}-g{g:04d}-{k:03d}"
-            samples.append(
-                RolloutSample(
-                    rollout_id=rollout_id,
-                    group_id=f"{id_prefix}{train_step:06d}-g{g:04d}",
-                    session_id=rollout_id,
-                    prompt_index=prompt.index,
-                    messages=list(prompt.messages),
-                    prompt_ids=list(prompt.prompt_ids),
-                    label=prompt.label,
-                    data_source=prompt.data_source,
-                    task_name=prompt.task_name,
-                    extra=dict(prompt.extra),
-                    policy_version=backend.policy_version,
-                    train_step=train_step,
-                )
-            )
-    generations = backend.generate([s.prompt_ids for s in samples], params)
-    for sample, generation in zip(samples, generations):
-        sample.response_ids = generation.response_ids
-        sample.logprobs = generation.logprobs
-        sample.response = generation.text
-        sample.finish_reason = generation.finish_reason
-        if generation.finish_reason == "abort":
-            sample.status = Status.ABORTED
-    scorable = [s for s in samples if s.status == Status.COMPLETED]
-    for sample, result in zip(scorable, rewards.score([s.reward_input() for s in scorable])):
-        if result.error is not None:
-            sample.fail(result.error)
-        else:
-            sample.reward = result.score
-            sample.reward_payload = result.payload
-    groups = [samples[i : i + repeat] for i in range(0, len(samples), repeat)]
+    groups = new_groups(prompts, repeat=repeat, version=backend.policy_version, train_step=train_step, id_prefix=id_prefix)
+    samples = [sample for group in groups for sample in group]
+    generate(samples, backend, params)
+    score(samples, rewards)
     return ProduceResult.of(groups, produce_time_s=time.perf_counter() - started, launched_s=launched_s)
 
 

@@ -38,6 +38,10 @@ SCHEMA = pa.schema(
         ("response_ids", pa.list_(pa.int32())),
         ("rollout_logprobs", pa.list_(pa.float32())),
         ("response_mask", pa.list_(pa.int8())),
+        ("response_versions", pa.list_(pa.int32())),  # the policy version of each response token
+        ("epoch", pa.int64()),
+        ("prompt_index", pa.int64()),
+        ("max_new_tokens", pa.int32()),  # the prompt's own cap on response tokens, null for the run's
         ("reward", pa.float64()),
         ("reward_payload", pa.string()),  # JSON: payloads differ in shape between reward functions
         ("prompt_len", pa.int32()),
@@ -72,6 +76,10 @@ def to_row(sample: RolloutSample, run: str) -> dict[str, Any]:
         "response_ids": sample.response_ids,
         "rollout_logprobs": sample.logprobs,
         "response_mask": sample.response_mask,
+        "response_versions": sample.response_versions or [sample.policy_version] * len(sample.response_ids),
+        "epoch": sample.epoch,
+        "prompt_index": sample.prompt_index,
+        "max_new_tokens": sample.max_new_tokens,
         "reward": sample.reward,
         "reward_payload": json.dumps(sample.reward_payload, default=str),
         "prompt_len": len(sample.prompt_ids),
@@ -86,14 +94,24 @@ def write_samples(
 ) -> str:
     """Write one step's samples as one Parquet part; return the part's URI."""
     table = pa.Table.from_pylist([to_row(s, run) for s in samples], schema=SCHEMA)
-    fs, folder = fsspec.core.url_to_fs(partition_uri(run_uri, split, step), **(storage_options or {}))
+    return write_part(table, partition_uri(run_uri, split, step), storage_options)
+
+
+def produced_uri(run_uri: str, round_index: int) -> str:
+    """Where the disaggregated producer's groups land as they are scored, before any training step."""
+    return f"{run_uri.rstrip('/')}/produced/round={round_index:06d}"
+
+
+def write_part(table: pa.Table, folder_uri: str, storage_options: dict[str, Any] | None = None, *, part: int = 0) -> str:
+    """``table`` as ``{folder_uri}/part-{part}.parquet``, written under a temporary name and renamed,
+    so a reader never sees half a file and writing a part again replaces it."""
+    fs, folder = fsspec.core.url_to_fs(folder_uri, **(storage_options or {}))
     fs.makedirs(folder, exist_ok=True)
-    final = f"{folder}/part-0.parquet"
-    temporary = f"{folder}/.part-0.{uuid.uuid4().hex}.tmp"
+    temporary = f"{folder}/.part-{part}.{uuid.uuid4().hex}.tmp"
     with fs.open(temporary, "wb") as handle:
         pq.write_table(table, handle)
-    fs.mv(temporary, final)
-    return f"{partition_uri(run_uri, split, step)}/part-0.parquet"
+    fs.mv(temporary, f"{folder}/part-{part}.parquet")
+    return f"{folder_uri}/part-{part}.parquet"
 
 
 class LakeError(RuntimeError):
@@ -134,7 +152,7 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         rollout_id=row["rollout_id"],
         group_id=row["group_id"],
         session_id=row["session_id"],
-        prompt_index=-1,
+        prompt_index=row.get("prompt_index", -1),
         messages=list(row["prompt"] or []),
         prompt_ids=list(row["prompt_ids"]),
         label=row["label"],
@@ -146,6 +164,9 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         response=row["response"],
         finish_reason=row["finish_reason"],
         response_mask=None if row["response_mask"] is None else list(row["response_mask"]),
+        response_versions=list(row.get("response_versions") or []),
+        epoch=row.get("epoch", 0),
+        max_new_tokens=row.get("max_new_tokens"),
         status=Status(row["status"]),
         error=row["error_msg"],
         reward=row["reward"],

@@ -1,0 +1,115 @@
+"""The disaggregated trainer's replay buffer: scored groups waiting for a training step.
+
+Staleness of a sample trained at step t is ``t - v - 1``, v the policy version of its oldest token: a
+sample made by the weights of step t-1 has staleness 0. A group whose staleness reaches
+``stale_after`` (``(max_staleness + 1) x sync_weights_interval``) expires: its responses are dropped
+and its prompt goes back to the producer (``keep_expired``) or is given up. Groups are never split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.data.samples import RolloutSample, Status
+from engine.storage.lake import from_row, to_row
+
+GroupStatus = Literal["completed", "pending"]  # pending: to be generated on (interrupted, expired or restored)
+
+
+def staleness(version: int, step: int) -> int:
+    return step - version - 1
+
+
+def reset_responses(samples: list[RolloutSample]) -> None:
+    """Back to the prompt: what a regenerated group starts from."""
+    for sample in samples:
+        sample.response_ids, sample.logprobs, sample.response_versions = [], [], []
+        sample.response, sample.finish_reason, sample.response_mask = "", "", None
+        sample.status, sample.error, sample.reward, sample.reward_payload = Status.COMPLETED, None, None, {}
+
+
+@dataclass
+class BufferedGroup:
+    samples: list[RolloutSample]
+    uid: int  # insertion order
+    status: GroupStatus
+
+    @property
+    def oldest_version(self) -> int:
+        return min(sample.oldest_version for sample in self.samples)
+
+    def staleness(self, step: int) -> int:
+        return staleness(self.oldest_version, step)
+
+
+@dataclass
+class ReplayBuffer:
+    kind: Literal["sync", "async"]  # which completed groups are taken first: the oldest, or the stalest
+    stale_after: int
+    keep_expired: bool  # expired prompts are generated again (True) or given up
+    groups: list[BufferedGroup] = field(default_factory=list)
+    next_uid: int = 0
+    expired_total: int = 0  # groups that ever expired
+    given_up: list[tuple[int, int]] = field(default_factory=list)  # (epoch, prompt_index) of dropped groups
+
+    def put(self, samples: list[RolloutSample], status: GroupStatus) -> None:
+        self.groups.append(BufferedGroup(samples, self.next_uid, status))
+        self.next_uid += 1
+
+    def count(self, status: GroupStatus) -> int:
+        return sum(group.status == status for group in self.groups)
+
+    def refresh(self, step: int) -> int:
+        """Expire the groups too stale to train at ``step``; returns how many expired now."""
+        holding_tokens = [g for g in self.groups if any(s.response_ids for s in g.samples)]
+        expired = [g for g in holding_tokens if g.staleness(step) >= self.stale_after]
+        for group in expired:
+            self.expired_total += 1
+            if self.keep_expired:
+                reset_responses(group.samples)
+                group.status = "pending"
+            else:
+                self.groups.remove(group)
+                self.given_up.append((group.samples[0].epoch, group.samples[0].prompt_index))
+        return len(expired)
+
+    def take(self, count: int) -> list[list[RolloutSample]]:
+        """``count`` completed groups, removed from the buffer (sync: oldest first; async: stalest first)."""
+        ready = [g for g in self.groups if g.status == "completed"]
+        if self.kind == "async":
+            ready.sort(key=lambda g: (g.oldest_version, g.uid))
+        taken = ready[:count]
+        for group in taken:
+            self.groups.remove(group)
+        return [group.samples for group in taken]
+
+    def take_pending(self, count: int) -> list[list[RolloutSample]]:
+        """Up to ``count`` groups to generate on, oldest first, removed from the buffer."""
+        pending = [g for g in self.groups if g.status == "pending"][:count]
+        for group in pending:
+            self.groups.remove(group)
+        return [group.samples for group in pending]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self, *, keep_generations: bool = True) -> dict[str, Any]:
+        """Plain data (lake rows). Without ``keep_generations`` only the prompts are kept: a resume
+        generates them again."""
+        groups = []
+        for group in self.groups:
+            samples = [from_row(to_row(sample, "")) for sample in group.samples]  # a copy
+            status = group.status
+            if not keep_generations:
+                reset_responses(samples)
+                status = "pending"
+            groups.append({"status": status, "rows": [to_row(s, "") for s in samples]})
+        return {"groups": groups, "next_uid": self.next_uid, "expired_total": self.expired_total, "given_up": self.given_up}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.groups = []
+        for uid, group in enumerate(state["groups"]):
+            self.groups.append(BufferedGroup([from_row(row) for row in group["rows"]], uid, group["status"]))
+        self.next_uid = max(state["next_uid"], len(self.groups))
+        self.expired_total = state["expired_total"]
+        self.given_up = [tuple(item) for item in state["given_up"]]

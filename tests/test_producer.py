@@ -1,0 +1,202 @@
+"""The disaggregated trainer's producer and replay buffer on their own, with a scripted rollout
+backend: how far ahead it runs, staleness, expiry, partial rollout across a pause, failure, resume."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.config.loading import load_config
+from engine.data.prompts import PromptRecord
+from engine.data.sampler import PromptSampler
+from engine.rollout.base import Generation, in_order
+from engine.rollout.producer import Producer, ProducerFailure
+from engine.rollout.rewards import RewardRunner
+
+BATCH = 2
+
+
+def reward_of_version(sample):
+    """1.0 for responses from version 1 on (token 11), 0.0 before."""
+    return 1.0 if "b" in sample["response"] else 0.0
+
+
+class ScriptedRollout:
+    """Answers prompt i with ``min(length, limits[i])`` tokens (10 under version 0, 11 after), one
+    every ``token_s`` seconds, each sample coming out when it ends; ``abort`` stops at the next token,
+    as the real backends do."""
+
+    def __init__(self, length: int = 4, token_s: float = 0.0, fail: Exception | None = None) -> None:
+        self.policy_version, self.length, self.token_s, self.fail = 0, length, token_s, fail
+        self.generating = threading.Event()
+        self._abort = threading.Event()
+
+    def generate(self, prompts, params, limits=None):
+        return in_order(self.stream(prompts, params, limits), len(prompts))
+
+    def stream(self, prompts, params, limits=None):
+        if self.fail is not None:
+            raise self.fail
+        token = 10 if self.policy_version == 0 else 11
+        targets = [min(self.length, limit) for limit in (limits or [params.max_new_tokens] * len(prompts))]
+        made = 0
+        self.generating.set()
+        try:
+            for made in range(1, max(targets) + 1):
+                if self._abort.is_set():
+                    made -= 1
+                    break
+                time.sleep(self.token_s)
+                yield from ((i, self._generation(token, made, "length")) for i, t in enumerate(targets) if t == made)
+            yield from ((i, self._generation(token, made, "abort")) for i, t in enumerate(targets) if t > made)
+        finally:
+            self.generating.clear()
+
+    @staticmethod
+    def _generation(token: int, made: int, reason: str) -> Generation:
+        return Generation([token] * made, [-0.5] * made, ("a" if token == 10 else "b") * made, reason)
+
+    def abort(self):
+        self._abort.set()
+
+    def resume_generation(self):
+        self._abort.clear()
+
+
+def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, **replay_buffer):
+    config = load_config(
+        None, load_from=str(tmp_path / "m"), train_dataset={"path": str(tmp_path / "d")}, total_train_steps=10,
+        train_batch_size=BATCH, prompt_repeat_k=2, trainer="disaggregated", rollout={"max_new_tokens": max_new_tokens},
+        reward={"function": f"{__name__}:reward_of_version"}, replay_buffer=replay_buffer, work_dir=str(tmp_path),
+    )
+    prompts = [PromptRecord(index=i, messages=({"role": "user", "content": f"p{i}"},), prompt_ids=(1, 2, i), max_new_tokens=cap)
+               for i, cap in enumerate(caps)]
+    rewards = RewardRunner(config.reward)
+    recorded = []
+    producer = Producer(config, sampler=PromptSampler(prompts, seed=0), rewards=rewards,
+                        decode=lambda ids: "".join("a" if t == 10 else "b" for t in ids),
+                        record=lambda groups, round_index, part: recorded.append((round_index, len(groups))))
+    return producer, rewards, recorded
+
+
+def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_on_policy_the_producer_makes_one_batch_then_waits_for_new_weights(tmp_path):
+    producer, rewards, recorded = make_producer(tmp_path, max_staleness=0)
+    backend = ScriptedRollout()
+    try:
+        producer.continue_produce(0, backend)
+        first = producer.get_batch(1, timeout_s=10)
+        assert len(first.groups) == BATCH and first.expired  # nothing more without the weights of step 1
+        assert first.counters["async/staleness_max"] == 0.0
+        time.sleep(0.2)
+        assert producer.buffer.count("completed") == 0  # held: step 2 needs the weights of step 1
+        held = producer.get_batch(2, timeout_s=10)
+        assert held.groups == [] and held.expired  # the trainer has step 1's weights; the rollout has not
+        producer.pause_produce(timeout_s=10)
+        backend.policy_version = 1
+        producer.continue_produce(1, backend)
+        second = producer.get_batch(2, timeout_s=10)
+        assert {s.policy_version for g in second.groups for s in g} == {1}
+        assert all(s.reward == 1.0 for g in second.groups for s in g)
+        assert sum(count for _, count in recorded) == 2 * BATCH  # every group entered the lake when scored
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_one_step_off_policy_the_producer_runs_one_batch_ahead(tmp_path):
+    producer, rewards, _ = make_producer(tmp_path, max_staleness=1)
+    try:
+        producer.continue_produce(0, ScriptedRollout())
+        wait_until(lambda: producer.buffer.count("completed") == 2 * BATCH)
+        time.sleep(0.2)
+        assert producer.buffer.count("completed") == 2 * BATCH  # and no further
+        assert producer.get_batch(1, timeout_s=10).counters["async/staleness_max"] == 0.0
+        assert producer.get_batch(2, timeout_s=10).counters["async/staleness_max"] == 1.0
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_a_pause_keeps_the_interrupted_samples_and_the_new_weights_finish_them(tmp_path):
+    """Partial rollout: the pause interrupts generation mid-response; after the sync the same samples
+    go on from their tokens, which record the version that made each."""
+    producer, rewards, _ = make_producer(tmp_path, max_staleness=1, enable_partial_rollout=True,
+                                         mask_offpolicy_in_partial_rollout=True)
+    backend = ScriptedRollout(length=4, token_s=0.2)
+    try:
+        producer.continue_produce(0, backend)
+        wait_until(backend.generating.is_set)
+        time.sleep(0.3)
+        paused_s = producer.pause_produce(timeout_s=10)
+        assert paused_s < 0.5  # interrupted, not waited for
+        assert producer.buffer.count("pending") == 2 * BATCH  # a round takes all the room staleness leaves
+        backend.policy_version = 1
+        backend.token_s = 0.0
+        producer.continue_produce(1, backend)
+        batch = producer.get_batch(1, timeout_s=10)
+        versions = [s.response_versions for g in batch.groups for s in g]
+        assert all(v[0] == 0 and v[-1] == 1 and len(v) == 4 for v in versions), versions
+        assert all(s.response_mask == [int(v == 1) for v in s.response_versions] for g in batch.groups for s in g)
+        assert batch.counters["async/resumed_partial_samples"] == 2 * BATCH * 2
+        assert batch.counters["async/staleness_max"] == 0.0  # trained at step 1, oldest token from version 0
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_a_failing_producer_reaches_the_trainer_with_its_cause(tmp_path):
+    producer, rewards, _ = make_producer(tmp_path)
+    try:
+        producer.continue_produce(0, ScriptedRollout(fail=RuntimeError("rollout worker lost")))
+        with pytest.raises(ProducerFailure, match="RuntimeError: rollout worker lost"):
+            producer.get_batch(1, timeout_s=10)
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_the_buffer_survives_a_checkpoint_and_stale_groups_expire(tmp_path):
+    producer, rewards, _ = make_producer(tmp_path, max_staleness=1)
+    try:
+        producer.continue_produce(0, ScriptedRollout())
+        wait_until(lambda: producer.buffer.count("completed") == 2 * BATCH)
+        producer.pause_produce(timeout_s=10)
+        state = producer.state_dict()
+        restored, restored_rewards, _ = make_producer(tmp_path, max_staleness=1)
+        restored.load_state_dict(state)
+        assert restored.buffer.count("completed") == 2 * BATCH
+        assert restored.buffer.refresh(4) == 2 * BATCH  # version 0 trained at step 4: staleness 3 >= 2
+        assert restored.buffer.count("pending") == 2 * BATCH and restored.buffer.count("completed") == 0
+        restored_rewards.close()
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_groups_that_finish_early_are_trained_while_the_long_ones_go_on(tmp_path):
+    """A long tail: 4 of the 6 prompts cap their responses at 1 token, 2 at 40 (2 s). The first batch
+    comes from the short groups while the long ones are still generating, and a pause keeps those."""
+    producer, rewards, recorded = make_producer(tmp_path, caps=(1, 1, 1, 1, 40, 40), max_new_tokens=40, max_staleness=1,
+                                                enable_partial_rollout=True)
+    backend = ScriptedRollout(length=40, token_s=0.05)
+    try:
+        producer.continue_produce(0, backend)
+        batch = producer.get_batch(1, timeout_s=10)
+        assert backend.generating.is_set()  # the long responses are not done
+        assert [len(s.response_ids) for g in batch.groups for s in g] == [1] * 2 * BATCH
+        producer.pause_produce(timeout_s=10)
+        interrupted = [s for g in producer.buffer.take_pending(2 * BATCH) for s in g]
+        assert interrupted and all(0 < len(s.response_ids) < 40 and s.finish_reason == "abort" for s in interrupted)
+        assert sum(count for _, count in recorded) >= BATCH  # what was delivered entered the lake first
+    finally:
+        producer.shutdown()
+        rewards.close()
