@@ -32,8 +32,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def set_up_process(config: TrellisConfig) -> None:
+def worker_threads(config: TrellisConfig, side: str | None = None) -> int:
+    """torch threads of a worker: ``cluster.torch_threads``, else, for a side of a disaggregated run on
+    CPU, the CPUs that side holds (the two sides compute at the same time), else every core."""
+    if config.cluster.torch_threads:
+        return config.cluster.torch_threads
+    if config.disaggregated and side is not None and resolve_device(config.train_worker.device).type == "cpu":
+        resources = config.train_resources if side == "train" else config.rollout_resources
+        return max(1, int(resources.accelerators_per_worker))
+    return os.cpu_count() or 1
+
+
+def set_up_process(config: TrellisConfig, side: str | None = None) -> None:
     """What every process that holds a part of a run does first: torch threads, seeds, log redaction."""
-    torch.set_num_threads(config.cluster.torch_threads or os.cpu_count() or 1)
+    torch.set_num_threads(worker_threads(config, side))
     seed_everything(config.seed, config.deterministic)
     install_log_redaction(config.storage_options)

@@ -41,13 +41,19 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     plan = restore_checkpoint(config, resume, attach_workers(config))
     phases = TaskPhases(config)
     metrics = run_initial_evaluation(phases, plan) or {}
-    counters = plan.counters
+    counters, step = plan.counters, plan.first_step
+    if config.disaggregated and step <= plan.total_steps:
+        phases.continue_produce(plan.start.step)  # the producer starts with the weights the run starts from
     # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
     # is joined at the step's end, up to a second per step.
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        for step in range(plan.first_step, plan.total_steps + 1):
+        while step <= plan.total_steps:
             outcome = rl_step(config, plan, step, counters)
-            metrics, counters = outcome.metrics, outcome.counters
+            counters = outcome.counters
+            if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
+                metrics, step = outcome.metrics, step + 1
+    if config.disaggregated and plan.first_step <= plan.total_steps:
+        phases.pause_produce(plan.total_steps)
     close_trackers(config)
     if config.cluster.release_workers_at_end:
         release_workers(config)

@@ -52,3 +52,12 @@ class TaskPhases:
 
     def log_evaluation(self, step: int, evaluation: Evaluation) -> dict[str, float]:
         return log_tasks.log_evaluation(self._config, step, evaluation)
+
+    def get_batch(self, step: int) -> Batch:
+        return tasks.get_batch(self._config, step)
+
+    def pause_produce(self, step: int) -> float:
+        return tasks.pause_produce(self._config, step)
+
+    def continue_produce(self, step: int) -> None:
+        tasks.continue_produce(self._config, step)

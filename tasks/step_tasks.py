@@ -93,3 +93,24 @@ def commit_checkpoint(config: TrellisConfig, step: int, counters: RunCounters) -
     uri = ClusterPhases(config).commit_checkpoint(step, counters)
     create_link_artifact(key=artifact_key(config, "checkpoint"), link=uri, link_text=f"checkpoint of step {step}")
     return uri
+
+
+@task(name="get_batch", task_run_name="get_batch[step={step}]", **RETRIED)
+def get_batch(config: TrellisConfig, step: int) -> Batch:
+    """disaggregated: the next batch from the replay buffer the producer fills beside the trainer. A
+    retry (the producer failed: a lost rollout worker, say) replaces the worker and restarts it first."""
+    phases = _phases(config)
+    if task_run.run_count > 1:
+        phases.restart_producer()
+    return phases.get_batch(step)
+
+
+@task(name="pause_produce", task_run_name="pause_produce[step={step}]", **RETRIED)
+def pause_produce(config: TrellisConfig, step: int) -> float:
+    return ClusterPhases(config).pause_produce(step)
+
+
+@task(name="continue_produce", task_run_name="continue_produce[step={step}]", **RETRIED)
+def continue_produce(config: TrellisConfig, step: int) -> None:
+    """The producer goes on with the weights of ``step``; a lost rollout worker is replaced first."""
+    _phases(config).continue_produce(step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import ray
 import torch
@@ -42,11 +42,11 @@ from engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, r
 class BuiltFrom:
     """What every actor shell keeps: the fingerprint it was built with, and the run's credentials."""
 
-    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials) -> None:
+    def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials, side: str) -> None:
         self._fingerprint = fingerprint
         self._credentials = credentials
         credentials.apply()
-        set_up_process(config)
+        set_up_process(config, side)
 
     def fingerprint(self) -> WorkerFingerprint:
         return self._fingerprint
@@ -64,7 +64,7 @@ class BuiltFrom:
 class TrainerActor(BuiltFrom):
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
                  total_train_steps: int, pad_token_id: int) -> None:
-        super().__init__(config, fingerprint, credentials)
+        super().__init__(config, fingerprint, credentials, "train")
         self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
         self._on_gpu = resolve_device(config.train_worker.device).type == "cuda"
         self._sender: WeightSender | None = None
@@ -126,13 +126,16 @@ class TrainerActor(BuiltFrom):
         self.worker.onload()
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"control": 1})
 class RolloutActor(BuiltFrom):
+    """``abort`` and ``resume_generation`` run in a group of their own: they must reach the backend
+    while ``generate`` runs (a pause for weight sync interrupts it)."""
+
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
                  tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
 
-        super().__init__(config, fingerprint, credentials)
+        super().__init__(config, fingerprint, credentials, "rollout")
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
         self._on_gpu = rollout_device(config).type == "cuda"
         self._weight_group: WeightGroup | None = None
@@ -155,8 +158,24 @@ class RolloutActor(BuiltFrom):
         del weights
         return policy_version
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        return self.backend.generate(prompts, params)
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        return self.backend.generate(prompts, params, limits)
+
+    @ray.method(num_returns="streaming")
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
+        yield from self.backend.stream(prompts, params, limits)
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> None:
+        self.backend.abort()
+
+    @ray.method(concurrency_group="control")
+    def resume_generation(self) -> None:
+        self.backend.resume_generation()
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
         self.backend.load_weights(state_dict, policy_version)
@@ -190,8 +209,23 @@ class RemoteRollout:
     def policy_version(self) -> int:
         return self._version
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        return ray.get(self._handle.generate.remote(prompts, params), timeout=self._timeout_s)
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        return ray.get(self._handle.generate.remote(prompts, params, limits), timeout=self._timeout_s)
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
+        items = self._handle.stream.remote(prompts, params, limits)
+        while True:
+            if not ray.wait([items], timeout=self._timeout_s)[0]:
+                raise TimeoutError(f"The rollout worker made no sample in {self._timeout_s:g}s.")
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            yield ray.get(item, timeout=self._timeout_s)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         ray.get(self._handle.load_weights.remote(state_dict, policy_version), timeout=self._timeout_s)
@@ -201,6 +235,12 @@ class RemoteRollout:
 
     def onload(self) -> None:
         ray.get(self._handle.onload.remote(), timeout=self._timeout_s)
+
+    def abort(self) -> None:
+        ray.get(self._handle.abort.remote(), timeout=self._timeout_s)
+
+    def resume_generation(self) -> None:
+        ray.get(self._handle.resume_generation.remote(), timeout=self._timeout_s)
 
 
 @dataclass(frozen=True)
@@ -219,7 +259,7 @@ class ControllerActor(BuiltFrom):
     """
 
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials) -> None:
-        super().__init__(config, fingerprint, credentials)
+        super().__init__(config, fingerprint, credentials, "rollout")
         self.config = config
         self.controller = Controller(config)
         self.trackers: Trackers | None = None
@@ -256,6 +296,36 @@ class ControllerActor(BuiltFrom):
         """Idempotent: a batch launched ahead (``start_rollout``) is returned as produced."""
         produced = self.controller.produce_batch(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
         return produce_summary(produced), produced
+
+    # -- trainer: disaggregated ----------------------------------------------------------------------
+
+    def continue_produce(self, model_step: int, rollout) -> None:
+        """Start (or go on with) the background producer; ``rollout`` serves ``model_step``'s weights."""
+        timeout = self.config.cluster.ray_get_timeout_s
+        self.controller.producer.continue_produce(model_step, RemoteRollout(rollout, timeout))
+
+    def restart_produce(self, rollout) -> None:
+        """After a failure (a lost rollout worker, replaced since): go on with what ``rollout`` serves."""
+        timeout = self.config.cluster.ray_get_timeout_s
+        backend = RemoteRollout(rollout, timeout)
+        self.controller.producer.continue_produce(backend.policy_version, backend)
+
+    def pause_produce(self) -> float:
+        return self.controller.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
+
+    @ray.method(num_returns=2)
+    def get_batch(self, step: int, wait_s: float) -> tuple[dict[str, float], ProduceResult | None]:
+        """The next training batch from the replay buffer, or an empty one marked ``expired`` when the
+        producer waits for weights the trainer already has; ``{"ready": 0}`` when none came within
+        ``wait_s``. The driver asks again: a call that waited long would hold this actor even for a
+        driver that died meanwhile."""
+        taken = self.controller.producer.get_batch(step, wait_s)
+        if taken is None:
+            return {"ready": 0.0}, None
+        produced = ProduceResult.of(taken.groups, produce_time_s=taken.produce_s)
+        produced.produced_samples, produced.produced_tokens = taken.produced_samples, taken.produced_tokens
+        summary = {**produce_summary(produced), **taken.counters, "expired": float(taken.expired), "ready": 1.0}
+        return summary, produced
 
     @ray.method(num_returns=2)
     def load_batch(self, step: int) -> tuple[dict[str, float], ProduceResult]:

@@ -22,6 +22,9 @@ from engine.run.step import Batch, Done, Evaluation, Logged, Prepared
 from engine.storage.checkpoints import step_name
 
 
+_POLL_S = 2.0
+
+
 class ClusterPhases:
     def __init__(self, config: TrellisConfig) -> None:
         self.config = config
@@ -41,6 +44,31 @@ class ClusterPhases:
         workers = self.workers
         workers.hand_accelerator_to("rollout")
         workers.actor("controller").produce_batch.remote(step, workers.actor("rollout"))
+
+    def get_batch(self, step: int) -> Batch:
+        """disaggregated: the next batch from the producer's replay buffer, asked for every few
+        seconds (each ask holds the controller that long) until ``cluster.ray_get_timeout_s``."""
+        deadline = time.monotonic() + self.config.cluster.ray_get_timeout_s
+        while True:
+            summary_ref, samples_ref = self.workers.actor("controller").get_batch.remote(step, _POLL_S)
+            summary = self.workers.wait(summary_ref)
+            if summary["ready"]:
+                return Batch(summary, samples_ref)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"No batch for step {step} within {self.config.cluster.ray_get_timeout_s:g}s.")
+
+    def restart_producer(self) -> None:
+        """A retried get_batch: the producer starts again on the (perhaps replaced) rollout worker."""
+        workers = self.workers
+        workers.wait(workers.actor("controller").restart_produce.remote(workers.actor("rollout")))
+
+    def pause_produce(self, step: int) -> float:
+        return self.workers.wait(self.workers.actor("controller").pause_produce.remote())
+
+    def continue_produce(self, step: int) -> None:
+        """The producer goes on with the weights of ``step``, which the rollout now serves."""
+        workers = self.workers
+        workers.wait(workers.actor("controller").continue_produce.remote(step, workers.actor("rollout")))
 
     def load_batch(self, step: int) -> Batch:
         """debug_train: a stored batch from the Parquet lake instead of a rollout."""

@@ -1,9 +1,23 @@
-"""How much of a GPU each of a run's workers asks Ray for."""
+"""Where a run's workers go: how much of a GPU each asks Ray for, and, for the disaggregated
+trainer, the two placement groups (train and rollout) that keep the sides on devices of their own."""
 
 from __future__ import annotations
 
+from typing import Literal
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from engine.config import TrellisConfig
 from engine.run.plan import Role, roles_for
+
+Side = Literal["train", "rollout"]
+SIDE_OF: dict[Role, Side] = {"trainer": "train", "rollout": "rollout", "controller": "rollout"}
 
 
 class GpuPlacementError(RuntimeError):
@@ -28,5 +42,55 @@ def gpu_requests(config: TrellisConfig, cluster_gpus: float) -> dict[Role, float
             f"rollout.backend={config.rollout.backend}), but the Ray cluster offers none. Start the cluster on a "
             "GPU machine, or use train_worker.device: cpu with rollout.backend: transformers."
         )
+    if config.disaggregated:  # each side holds GPUs of its own
+        return {role: _resources(config, SIDE_OF[role]).accelerators_per_worker for role in wants}
     share = config.cluster.gpu_share or (1.0 / len(wants) if wants else 0.0)
     return {role: share for role in wants}
+
+
+def _resources(config: TrellisConfig, side: Side):
+    return config.train_resources if side == "train" else config.rollout_resources
+
+
+def side_placement(config: TrellisConfig, role: Role, timeout_s: float) -> PlacementGroupSchedulingStrategy:
+    """The scheduling strategy that puts ``role`` in its side's placement group (made on first use:
+    ``num_workers`` bundles of ``accelerators_per_worker`` GPUs, or CPUs on a cluster without GPUs)."""
+    groups = {side: _placement_group(config, side, timeout_s) for side in ("train", "rollout")}
+    if groups["train"].id == groups["rollout"].id:
+        raise GpuPlacementError(
+            f"The train and rollout placement groups of {config.experiment_name} resolved to one group "
+            f"({groups['train'].id}); a disaggregated run needs two. Release the run's workers and try again."
+        )
+    return PlacementGroupSchedulingStrategy(placement_group=groups[SIDE_OF[role]], placement_group_bundle_index=0)
+
+
+def remove_side_placements(config: TrellisConfig) -> None:
+    for side in ("train", "rollout"):
+        try:
+            remove_placement_group(ray.util.get_placement_group(_group_name(config, side)))
+        except ValueError:
+            pass  # none was made
+
+
+def _group_name(config: TrellisConfig, side: Side) -> str:
+    return f"trellis-{config.experiment_name}-{side}"
+
+
+def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> PlacementGroup:
+    name = _group_name(config, side)
+    try:
+        return ray.util.get_placement_group(name)
+    except ValueError:
+        pass
+    resources = _resources(config, side)
+    kind = "GPU" if ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu" else "CPU"
+    group = placement_group(
+        [{kind: resources.accelerators_per_worker}] * resources.num_workers, strategy="PACK", name=name, lifetime="detached"
+    )
+    if not group.wait(timeout_seconds=timeout_s):
+        remove_placement_group(group)
+        raise GpuPlacementError(
+            f"The {side} side of {config.experiment_name} asks for {resources.num_workers} x "
+            f"{resources.accelerators_per_worker} {kind}, which the cluster ({ray.cluster_resources()}) cannot give."
+        )
+    return group

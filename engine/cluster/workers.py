@@ -25,7 +25,11 @@ from engine.cluster.actors import (
     TrainerActor,
 )
 from engine.cluster.environment import check_worker_environment, worker_runtime_env
-from engine.cluster.placement import gpu_requests
+from engine.cluster.placement import (
+    gpu_requests,
+    remove_side_placements,
+    side_placement,
+)
 from engine.cluster.weight_sync import push_weights
 from engine.config import TrellisConfig
 from engine.run.code_bundle import CodeBundle, shipped_code
@@ -123,12 +127,14 @@ class RunWorkers:
                 self._load_trainer_weights()
 
     def release(self) -> None:
-        """Kill the run's actors (those that exist)."""
+        """Kill the run's actors (those that exist) and give back their placement groups."""
         for role in ROLES:
             try:
                 ray.kill(self.actor(role), no_restart=True)
             except ValueError:
                 pass
+        if self.config.disaggregated:
+            remove_side_placements(self.config)
 
     def rollout_alive(self) -> bool:
         try:
@@ -158,7 +164,7 @@ class RunWorkers:
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first.
         Both calls return at once on CPU, and when the side already holds the accelerator."""
-        if role not in self.roles:
+        if role not in self.roles or self.config.disaggregated:  # each side has devices of its own
             return
         giver: Role = "trainer" if role == "rollout" else "rollout"
         if giver in self.roles:  # debug modes run one side only
@@ -205,6 +211,8 @@ class RunWorkers:
         gpus = gpu_requests(config, ray.cluster_resources().get("GPU", 0.0)).get(role)
         if gpus:
             options["num_gpus"] = gpus
+        if config.disaggregated:
+            options["scheduling_strategy"] = side_placement(config, role, self._timeout_s)
         runtime_env = worker_runtime_env(config, launch.bundle, role)
         if runtime_env:
             options["runtime_env"] = runtime_env

@@ -16,7 +16,7 @@ from engine.data.prompts import SkipReport
 from engine.devices import rollout_device, set_up_process
 from engine.rollout.backends import build_rollout_backend
 from engine.rollout.controller import Controller
-from engine.rollout.produce import produce_summary
+from engine.rollout.produce import ProduceResult, produce_summary
 from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
 from engine.run.plan import (
     RunPlan,
@@ -122,9 +122,13 @@ class LocalRun:
         return state
 
     def train_step(self) -> StepReport:
-        outcome = run_step(self._phases, plan_step(self.config, self.plan, self.step + 1), self.counters)
-        self.step, self.counters = outcome.step, outcome.counters
-        return StepReport(outcome.step, outcome.metrics, outcome.phases)
+        """The next step; a disaggregated step whose batch expired syncs weights and goes again."""
+        while True:
+            outcome = run_step(self._phases, plan_step(self.config, self.plan, self.step + 1), self.counters)
+            self.counters = outcome.counters
+            if outcome.advanced:
+                self.step = outcome.step
+                return StepReport(outcome.step, outcome.metrics, outcome.phases)
 
     def run(self, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
         reports = []
@@ -134,16 +138,20 @@ class LocalRun:
                 reports.append(StepReport(0, initial, ("evaluate", "log_evaluation")))
                 if on_step is not None:
                     on_step(reports[-1])
+        if self.config.disaggregated and self.step < self.plan.total_steps:
+            self._phases.continue_produce(self.step)  # the producer starts with the weights the run starts from
         while self.step < self.plan.total_steps:
             reports.append(self.train_step())
             if on_step is not None:
                 on_step(reports[-1])
+        if self.config.disaggregated:
+            self._phases.pause_produce(self.step)
         return reports
 
     def hand_accelerator_to(self, role: str) -> None:
         """The colocated switch: the other side offloads first (both calls do nothing on CPU, and
         nothing when the side already holds the accelerator)."""
-        if self.worker is None or self.backend is None:
+        if self.worker is None or self.backend is None or self.config.disaggregated:
             return
         if role == "rollout":
             self.worker.offload()
@@ -235,3 +243,19 @@ class LocalPhases:
         if self._run.trackers is not None:
             self._run.trackers.log(metrics, step)
         return metrics
+
+    # -- disaggregated: the producer runs on a thread of this process ------------------------------
+
+    def get_batch(self, step: int) -> Batch:
+        taken = self._run.controller.producer.get_batch(step, self._config.cluster.ray_get_timeout_s)
+        if taken is None:
+            raise TimeoutError(f"No batch for step {step} within {self._config.cluster.ray_get_timeout_s:g}s.")
+        produced = ProduceResult.of(taken.groups, produce_time_s=taken.produce_s)
+        produced.produced_samples, produced.produced_tokens = taken.produced_samples, taken.produced_tokens
+        return Batch({**produce_summary(produced), **taken.counters, "expired": float(taken.expired)}, produced)
+
+    def pause_produce(self, step: int) -> float:
+        return self._run.controller.producer.pause_produce(self._config.cluster.ray_get_timeout_s)
+
+    def continue_produce(self, step: int) -> None:
+        self._run.controller.producer.continue_produce(step, self._run.backend)

@@ -99,7 +99,8 @@ def resolve_run_plan(
         pad_token_id=facts.pad_token_id,
         roles=roles,
         rollout_on_gpu=facts.rollout_on_gpu,
-        overlap_next_rollout=config.cluster.overlaps_next_rollout(facts.rollout_on_gpu) and not config.debug_train,
+        overlap_next_rollout=config.cluster.overlaps_next_rollout(facts.rollout_on_gpu)
+        and not (config.debug_train or config.disaggregated),
         start=start,
         counters=counters,
         initial_evaluation=config.enable_initial_evaluate and start.step == 0 and both,
@@ -113,7 +114,8 @@ class StepPlan:
     """Which phases one step runs; ``engine.run.step.run_step`` runs them in their order."""
 
     step: int
-    batch_source: Literal["produce_batch", "load_batch"]  # load_batch: debug_train replays a stored batch
+    batch_source: Literal["produce_batch", "load_batch", "get_batch"]  # load_batch: debug_train replays a
+    # stored batch; get_batch: the disaggregated trainer takes one from the replay buffer
     write_trajectories: bool
     fit: bool
     save_checkpoint: bool
@@ -121,25 +123,29 @@ class StepPlan:
     sync_weights: bool
     evaluate: bool
     launch_next_rollout: bool  # start_rollout[step + 1] before this step's records
+    disaggregated: bool = False  # the producer runs beside the step; it pauses around a weight sync
 
 
 def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
     """Every due-decision of a step. Saves and evaluations fall on weight-sync steps (the config's
     interval rules make sure of it); a debug mode leaves out the side it does not start."""
     trains, rolls = "trainer" in plan.roles, "rollout" in plan.roles
-    synced = trains and rolls and step % config.sync_weights_interval == 0
     records = plan.keeps_records
     last = step == plan.total_steps
+    # The producer goes on with the last weights after the run's end too (resume, evaluation): sync them.
+    synced = trains and rolls and (step % config.sync_weights_interval == 0 or (config.disaggregated and last))
+    source = "get_batch" if config.disaggregated else ("produce_batch" if rolls else "load_batch")
     return StepPlan(
         step=step,
-        batch_source="produce_batch" if rolls else "load_batch",
+        batch_source=source,
         write_trajectories=records and rolls,
         fit=trains,
         save_checkpoint=records and trains and _checkpoint_due(config, step, last),
         export_hf=records and trains and config.hf_interval not in (None, -1) and (step % config.hf_interval == 0 or last),
         sync_weights=synced,
         evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
-        launch_next_rollout=plan.overlap_next_rollout and rolls and not last,
+        launch_next_rollout=plan.overlap_next_rollout and rolls and not last and not config.disaggregated,
+        disaggregated=config.disaggregated,
     )
 
 

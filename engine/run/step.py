@@ -16,6 +16,16 @@ phase is a named task run of the step's flow run; the in-process runner passes p
   records are written, so that the records (and, in the flow, the Prefect API calls that end one step
   flow run and start the next) overlap generation instead of leaving the workers idle.
 
+The disaggregated trainer's step (``plan.disaggregated``) takes its batch from the replay buffer that
+a producer fills beside it, and pauses the producer only around a weight sync:
+
+    get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit
+        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► evaluate? ─► continue_produce]
+        ─► log_step ─► commit_checkpoint?
+
+An empty batch marked expired means the producer waits for weights the trainer already has: the step
+syncs them and is tried again (``StepOutcome.advanced`` is False), as XTuner's does.
+
 Phase names are the task names, the timer names and the ``time/*`` metric names alike.
 """
 
@@ -83,6 +93,7 @@ class StepOutcome:
     metrics: dict[str, float]
     counters: RunCounters
     phases: tuple[str, ...]  # the phases that ran, in their order
+    advanced: bool = True  # False: no training happened (an expired batch); the step is run again
 
 
 class StepPhases(Protocol):
@@ -101,9 +112,14 @@ class StepPhases(Protocol):
     def log_step(self, step: int, record: StepRecord) -> Logged: ...
     def commit_checkpoint(self, step: int, counters: RunCounters) -> str: ...
     def log_evaluation(self, step: int, evaluation: Evaluation) -> dict[str, float]: ...
+    def get_batch(self, step: int) -> Batch: ...
+    def pause_produce(self, step: int) -> float: ...
+    def continue_produce(self, step: int) -> None: ...
 
 
 def run_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepOutcome:
+    if plan.disaggregated:
+        return run_disaggregated_step(phases, plan, counters)
     step, timings, ran = plan.step, {}, []
     started_s = time.time()
 
@@ -148,6 +164,60 @@ def run_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepO
     record = StepRecord(timings, batch.summary, prepared.info, fit_metrics, eval_metrics, counters, links)
     logged = phases.log_step(step, record)
     if plan.save_checkpoint:  # sealed last: a complete checkpoint promises its step is fully recorded
+        ran.append("commit_checkpoint")
+        phases.commit_checkpoint(step, logged.counters)
+    return StepOutcome(step, logged.metrics, logged.counters, tuple(ran))
+
+
+def run_disaggregated_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepOutcome:
+    step, timings, ran = plan.step, {}, []
+    started_s = time.time()
+
+    def phase(name: str):
+        ran.append(name)
+        return timer(name, timings)
+
+    with phase("get_batch"):
+        batch = phases.get_batch(step)
+    expired = bool(batch.summary.get("expired"))
+    if expired and not batch.summary["produced_samples"]:  # the producer waits for step - 1's weights
+        with phase("pause_produce"):
+            phases.pause_produce(step)
+        with phase("sync_weights"):
+            phases.sync_weights(step - 1)
+        with phase("continue_produce"):
+            phases.continue_produce(step - 1)
+        return StepOutcome(step, {}, counters, tuple(ran), advanced=False)
+    ran.append("write_trajectories")
+    written = phases.write_trajectories(step, batch)
+    with phase("prepare_data"):
+        prepared = phases.prepare_data(step, batch)
+    with phase("fit"):
+        fit_metrics = phases.fit(step, prepared)
+    links, eval_metrics = {}, {}
+    if plan.sync_weights or expired:
+        with phase("pause_produce"):
+            phases.pause_produce(step)
+        if plan.save_checkpoint:
+            with phase("save_checkpoint"):
+                phases.save_checkpoint(step)
+        if plan.export_hf:
+            with phase("export_hf"):
+                links["hf-export"] = phases.export_hf(step)
+        with phase("sync_weights"):
+            phases.sync_weights(step)
+        if plan.evaluate:
+            with phase("evaluate"):
+                evaluation = phases.evaluate(step)
+            links["eval-trajectories"], eval_metrics = evaluation.uri, evaluation.metrics
+        with phase("continue_produce"):
+            phases.continue_produce(step)
+    links["trajectories"] = written.result()
+    timings["step"] = time.time() - started_s
+    ran.append("log_step")
+    record = StepRecord(timings, batch.summary, prepared.info, fit_metrics, eval_metrics, counters, links)
+    logged = phases.log_step(step, record)
+    if plan.save_checkpoint and (plan.sync_weights or expired):
         ran.append("commit_checkpoint")
         phases.commit_checkpoint(step, logged.counters)
     return StepOutcome(step, logged.metrics, logged.counters, tuple(ran))
