@@ -9,6 +9,7 @@ import ray
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
+    placement_group_table,
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -66,10 +67,19 @@ def side_placement(config: TrellisConfig, role: Role, timeout_s: float) -> Place
 
 def remove_side_placements(config: TrellisConfig) -> None:
     for side in ("train", "rollout"):
-        try:
-            remove_placement_group(ray.util.get_placement_group(_group_name(config, side)))
-        except ValueError:
-            pass  # none was made
+        group = _find_group(_group_name(config, side))
+        if group is not None:
+            remove_placement_group(group)
+
+
+def _find_group(name: str) -> PlacementGroup | None:
+    """The live placement group called ``name``, whichever driver made it: ``get_placement_group``
+    looks in the caller's job namespace only, and a run's groups outlive the flow process that made
+    them (a resume from another process must find them, not wait for their resources)."""
+    for group_id, info in placement_group_table().items():
+        if info.get("name") == name and info.get("state") != "REMOVED":
+            return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    return None
 
 
 def _group_name(config: TrellisConfig, side: Side) -> str:
@@ -78,10 +88,9 @@ def _group_name(config: TrellisConfig, side: Side) -> str:
 
 def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> PlacementGroup:
     name = _group_name(config, side)
-    try:
-        return ray.util.get_placement_group(name)
-    except ValueError:
-        pass
+    existing = _find_group(name)
+    if existing is not None:
+        return existing
     resources = _resources(config, side)
     kind = "GPU" if ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu" else "CPU"
     group = placement_group(
