@@ -140,22 +140,13 @@ def run_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepO
         with phase("fit"):
             fit_metrics = phases.fit(step, prepared)
     links: dict[str, str] = {}
-    if plan.save_checkpoint:
-        with phase("save_checkpoint"):
-            phases.save_checkpoint(step)
-    if plan.export_hf:
-        with phase("export_hf"):
-            links["hf-export"] = phases.export_hf(step)
+    save_and_export(phases, plan, phase, links)
     if plan.sync_weights:
         with phase("sync_weights"):
             phases.sync_weights(step)
     if written is not None:
         links["trajectories"] = written.result()
-    eval_metrics: dict[str, float] = {}
-    if plan.evaluate:
-        with phase("evaluate"):
-            evaluation = phases.evaluate(step)
-        links["eval-trajectories"], eval_metrics = evaluation.uri, evaluation.metrics
+    eval_metrics = evaluate_if_due(phases, plan, phase, links)
     timings["step"] = time.time() - min(started_s, batch.launched_s)  # from the launch of its rollout
     if plan.launch_next_rollout:
         ran.append("start_rollout")
@@ -198,18 +189,10 @@ def run_disaggregated_step(phases: StepPhases, plan: StepPlan, counters: RunCoun
     if plan.sync_weights or expired:
         with phase("pause_produce"):
             phases.pause_produce(step)
-        if plan.save_checkpoint:
-            with phase("save_checkpoint"):
-                phases.save_checkpoint(step)
-        if plan.export_hf:
-            with phase("export_hf"):
-                links["hf-export"] = phases.export_hf(step)
+        save_and_export(phases, plan, phase, links)
         with phase("sync_weights"):
             phases.sync_weights(step)
-        if plan.evaluate:
-            with phase("evaluate"):
-                evaluation = phases.evaluate(step)
-            links["eval-trajectories"], eval_metrics = evaluation.uri, evaluation.metrics
+        eval_metrics = evaluate_if_due(phases, plan, phase, links)
         with phase("continue_produce"):
             phases.continue_produce(step)
     links["trajectories"] = written.result()
@@ -221,6 +204,25 @@ def run_disaggregated_step(phases: StepPhases, plan: StepPlan, counters: RunCoun
         ran.append("commit_checkpoint")
         phases.commit_checkpoint(step, logged.counters)
     return StepOutcome(step, logged.metrics, logged.counters, tuple(ran))
+
+
+def save_and_export(phases: StepPhases, plan: StepPlan, phase, links: dict[str, str]) -> None:
+    """The step's checkpoint files and HF export, when due (the checkpoint is sealed after log_step)."""
+    if plan.save_checkpoint:
+        with phase("save_checkpoint"):
+            phases.save_checkpoint(plan.step)
+    if plan.export_hf:
+        with phase("export_hf"):
+            links["hf-export"] = phases.export_hf(plan.step)
+
+
+def evaluate_if_due(phases: StepPhases, plan: StepPlan, phase, links: dict[str, str]) -> dict[str, float]:
+    if not plan.evaluate:
+        return {}
+    with phase("evaluate"):
+        evaluation = phases.evaluate(plan.step)
+    links["eval-trajectories"] = evaluation.uri
+    return evaluation.metrics
 
 
 def run_initial_evaluation(phases: StepPhases, plan: RunPlan) -> dict[str, float] | None:
