@@ -200,3 +200,29 @@ def test_groups_that_finish_early_are_trained_while_the_long_ones_go_on(tmp_path
     finally:
         producer.shutdown()
         rewards.close()
+
+
+def test_a_group_continued_across_syncs_that_arrives_too_stale_is_not_trained(tmp_path):
+    """On-policy (max_staleness 0) with partial rollout: two groups begun under version 0 are paused,
+    continued under version 1 and end while step 2 waits for its batch. Their oldest tokens are
+    1 version stale at step 2, so they expire instead of being trained; step 2 trains the groups
+    begun under version 1."""
+    producer, rewards, _ = make_producer(tmp_path, caps=(40,) * 6, max_new_tokens=40, max_staleness=0,
+                                         enable_partial_rollout=True)
+    backend = ScriptedRollout(length=40, token_s=0.02)
+    try:
+        producer.continue_produce(0, backend)
+        wait_until(backend.generating.is_set)
+        time.sleep(0.1)
+        producer.pause_produce(timeout_s=10)
+        backend.policy_version = 1
+        assert not backend.generating.is_set()
+        producer.continue_produce(1, backend)
+        wait_until(backend.generating.is_set)  # the interrupted groups are being continued, out of the buffer
+        batch = producer.get_batch(2, timeout_s=20)
+        assert batch.counters["async/staleness_max"] == 0.0
+        assert {s.oldest_version for g in batch.groups for s in g} == {1}
+        assert batch.counters["async/expired_groups"] >= 2
+    finally:
+        producer.shutdown()
+        rewards.close()

@@ -132,10 +132,12 @@ class Producer:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self.progress.consumer_step = step
-            self.buffer.refresh(step)
             self._cond.notify_all()
             while True:
                 self._raise_failure()
+                # Again after every wake-up: a group continued across weight syncs may arrive too stale.
+                if self.buffer.refresh(step):
+                    self._cond.notify_all()
                 if self.buffer.count("completed") >= count:
                     return self._take(step, count)
                 if self._quota() <= 0 and step - 1 > self.progress.model_step:
