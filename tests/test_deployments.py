@@ -18,12 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_prefect_yaml_is_rendered_from_the_configs():
     assert PREFECT_YAML.read_text() == render(bundled_configs()), "run `trellis deployments render`"
     spec = yaml.safe_load(PREFECT_YAML.read_text())
-    (train,) = spec["deployments"]
-    module, _, flow_name = train["entrypoint"].partition(":")
-    assert (ROOT / module).exists() and flow_name == "rl_train"
-    assert train["parameters"]["config"] == yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())
-    TrellisConfig.model_validate(train["parameters"]["config"])  # the parameter is schema-checked
-    assert train["schedules"][0]["cron"] == "0 2 * * *" and train["work_pool"]["name"] == "trellis-local"
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert sorted(deployments) == ["tiny-reverse", "tiny-reverse-async"]  # one per file of configs/
+    for name, train in deployments.items():
+        module, _, flow_name = train["entrypoint"].partition(":")
+        assert (ROOT / module).exists() and flow_name == "rl_train"
+        config_file = ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
+        assert train["parameters"]["config"] == yaml.safe_load(config_file.read_text())
+        TrellisConfig.model_validate(train["parameters"]["config"])  # the parameter is schema-checked
+        assert train["schedules"][0]["cron"] == "0 2 * * *" and train["work_pool"]["name"] == "trellis-local"
 
 
 def test_a_changed_config_changes_the_rendering(tmp_path):
