@@ -27,10 +27,10 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
-def random_qwen2_05b(tokenizer, out: Path) -> Path:
+def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096) -> Path:
     config = Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)

@@ -1,0 +1,235 @@
+"""The disaggregated asynchronous trainer against the colocated one, on the GPUs of one machine, with
+response lengths that have a long tail.
+
+Same model (random-init Qwen2-0.5B shape, bf16 rollout on vLLM), same prompts, same steps, both as
+Prefect flows on a local Ray cluster that trellis starts:
+
+- ``colocated``: trainer and rollout share one GPU (the only colocated layout there is so far);
+- ``disaggregated``: 1 trainer GPU + 1 rollout GPU, ``max_staleness`` 1, partial rollout on; weights
+  go trainer -> rollout over NCCL.
+
+Each prompt caps its response at a length drawn from a lognormal (mean ~1k tokens, at most 8k), the
+dataset's ``max_new_tokens`` column; the random model never stops by itself, so every response runs
+to its cap and the tail is real. Reported per mode: trained tokens per second end to end (after the
+warm-up steps, and trellis's own ``throughput/e2e_effective_tgs`` over the whole run), the same per
+GPU held, step time, the weight-sync pause, each GPU's idle fraction (NVML utilization sampled every
+0.2 s over the measured steps), and for the asynchronous run the staleness of every trained token
+(from the trajectory lake).
+
+    python bench/gpu/async_vs_colocated.py OUT_DIR --mode colocated|disaggregated [--steps 6] [--warmup 2]
+        [--prompts 32] [--share-one-gpu] [--smoke]
+
+Mind the warm-up: the producer hands over groups in the order they end, so the first batches of an
+asynchronous run hold the short responses and the long ones arrive steps later. Compare the trained
+``response_len_mean`` of the two modes before comparing their tokens per second.
+
+``--smoke`` runs the same code on CPU with the tiny model, the transformers backend and short caps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_steps import random_qwen2_05b  # noqa: E402
+
+from engine.cluster.head import stop_head  # noqa: E402
+from engine.config.loading import load_config  # noqa: E402
+from engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
+from engine.tiny.reverse_task import write_dataset  # noqa: E402
+from flows.rl_train import rl_train  # noqa: E402
+
+def long_tail_caps(count: int, *, mean: float, cap: int, sigma: float, seed: int) -> list[int]:
+    """Per-prompt response caps from a lognormal of the given mean, clipped to [16, cap]."""
+    mu = np.log(mean) - sigma**2 / 2
+    return np.clip(np.random.default_rng(seed).lognormal(mu, sigma, count), 16, cap).astype(int).tolist()
+
+
+def write_long_tail_dataset(path: Path, count: int, args: argparse.Namespace) -> Path:
+    write_dataset(path, count, seed=0)
+    table = pq.read_table(path)
+    caps = long_tail_caps(count, mean=args.mean_len, cap=args.max_len, sigma=args.sigma, seed=1)
+    pq.write_table(table.append_column("max_new_tokens", pa.array(caps, pa.int64())), path)
+    return path
+
+
+class Sampler:
+    """On a thread, every ``period_s``: NVML utilization of every GPU (none on a machine without NVML)
+    and how many steps ``metrics`` holds, so that a window of steps has wall-clock bounds."""
+
+    def __init__(self, metrics: Path, period_s: float = 0.2) -> None:
+        self.samples: list[tuple[float, list[int]]] = []
+        self.steps_logged: list[tuple[float, int]] = []
+        self._metrics = metrics
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._read = lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        except Exception:  # no NVML here (CPU smoke run)
+            self._handles = []
+        self._thread = threading.Thread(target=self._sample, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            now = time.time()
+            if self._handles:
+                self.samples.append((now, [self._read(h) for h in self._handles]))
+            if self._metrics.exists():
+                self.steps_logged.append((now, len(self._metrics.read_text().splitlines())))
+
+    def reached(self, steps: int) -> float:
+        """When ``steps`` steps had been logged."""
+        return next(t for t, logged in self.steps_logged if logged >= steps)
+
+    def idle_fraction(self, start: float, end: float) -> list[float]:
+        """Per GPU, 1 - mean utilization over [start, end]."""
+        window = [u for t, u in self.samples if start <= t <= end]
+        return [1.0 - statistics.mean(u[i] for u in window) / 100.0 for i in range(len(window[0]))] if window else []
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def staleness_histogram(run_uri: str) -> dict[str, dict[int, int]]:
+    """Trained tokens and samples by staleness (train step - 1 - version of the token)."""
+    tokens, samples = Counter(), Counter()
+    for part in Path(run_uri, "trajectories", "split=train").glob("*/part-*.parquet"):
+        table = pq.read_table(part, columns=["train_step", "response_versions"]).to_pylist()
+        for row in table:
+            ages = [row["train_step"] - 1 - v for v in row["response_versions"]]
+            tokens.update(ages)
+            samples[max(ages) if ages else 0] += 1
+    return {"tokens": dict(sorted(tokens.items())), "samples_by_oldest_token": dict(sorted(samples.items()))}
+
+
+def run_config(work: Path, args: argparse.Namespace):
+    smoke = args.smoke
+    if smoke:
+        model = build_tiny_checkpoint(work / "tiny-model")
+    else:
+        model = work / "qwen2-05b-random-16k"
+        if not (model / "config.json").exists():
+            random_qwen2_05b(build_tokenizer(), model, max_positions=args.max_len + 512)
+    data = write_long_tail_dataset(work / f"long_tail_{args.max_len}.parquet", 4096, args)
+    vllm_site = os.environ.get("TRELLIS_VLLM_SITE")
+    disaggregated = args.mode == "disaggregated"
+    settings = dict(
+        load_from=str(model),
+        train_dataset={"path": str(data), "max_prompt_length": 64},
+        work_dir=str(work / "runs"),
+        experiment_name=f"{args.mode}-{int(time.time())}",
+        total_train_steps=args.steps,
+        train_batch_size=args.prompts,
+        prompt_repeat_k=args.group,
+        checkpoint_interval=-1,
+        hf_interval=-1,
+        auto_resume=False,
+        exp_tracker="jsonl",
+        rollout={
+            "backend": "transformers" if smoke else "vllm",
+            "max_new_tokens": args.max_len,
+            "gpu_memory_utilization": 0.85 if disaggregated and not args.share_one_gpu else 0.4,
+            "runtime_env": {"env_vars": {"PYTHONPATH": f"{vllm_site}:${{PYTHONPATH}}"}} if vllm_site else None,
+        },
+        train_worker={"pack_max_length": 2 * args.max_len if not smoke else 512},
+        cluster={"home": str(work / "cluster"), "release_workers_at_end": True, "flow_retries": 0},
+    )
+    if disaggregated:
+        settings.update(
+            trainer="disaggregated",
+            replay_buffer={"kind": "async", "max_staleness": 1, "enable_partial_rollout": True},
+            train_resources={"accelerators_per_worker": 0.5 if args.share_one_gpu else 1},
+            rollout_resources={"accelerators_per_worker": 0.5 if args.share_one_gpu else 1},
+        )
+    return load_config(None, **settings)
+
+
+def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, args: argparse.Namespace) -> dict:
+    steady = [records[s] for s in sorted(records) if s > args.warmup]
+    window_start, window_end = gpus.reached(args.warmup), gpus.reached(max(records))
+    wall = window_end - window_start
+    tokens = sum(r["response/training_tokens"] for r in steady)
+    held_gpus = 2 if args.mode == "disaggregated" and not args.share_one_gpu else 1
+    last = records[max(records)]
+    timings = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in steady[-1] if k.startswith(("time/", "timing/"))}
+    return {
+        "mode": args.mode + (" (both sides on one GPU)" if args.share_one_gpu and args.mode == "disaggregated" else ""),
+        "gpus_held": held_gpus,
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "measured_steps": len(steady),
+        "samples_per_step": args.prompts * args.group,
+        "response_len_mean": statistics.mean(r["response/response_len/mean"] for r in steady),
+        "response_len_max": max(r["response/response_len/max"] for r in steady),
+        "step_s_median": statistics.median(r["time/step"] for r in steady),
+        "measured_wall_s": wall,
+        "trained_tokens_per_s": tokens / wall,
+        "trained_tokens_per_s_per_gpu": tokens / wall / held_gpus,
+        "e2e_effective_tgs_whole_run": last["throughput/e2e_effective_tgs"],
+        "run_wall_s": time.time() - started,
+        "timings_median_s": timings,
+        "weight_sync_s_median": timings.get("time/sync_weights", 0.0),
+        # the producer stands still from the start of its pause to its continue (no save or eval here)
+        "producer_paused_s_median": sum(timings.get(f"time/{p}", 0.0) for p in ("pause_produce", "sync_weights", "continue_produce"))
+        if args.mode == "disaggregated" else None,
+        "gpu_idle_fraction": gpus.idle_fraction(window_start, window_end),
+        "mismatch_k3_median": statistics.median(r["mismatch/k3_kl"] for r in steady) if "mismatch/k3_kl" in steady[0] else None,
+        "async": {k: last[k] for k in last if k.startswith("async/")},
+        "staleness": staleness_histogram(config.run_uri) if args.mode == "disaggregated" else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mode", choices=("colocated", "disaggregated"), required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the measured window")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--mean-len", type=float, default=1024)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend")
+    parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
+    args = parser.parse_args()
+    if args.smoke:
+        args.mean_len, args.max_len = min(args.mean_len, 8), min(args.max_len, 24)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TRELLIS_BENCH_WORK", "/tmp/trellis-gpu/async"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = run_config(work, args)
+    gpus = Sampler(Path(config.run_uri, "logs", "metrics.jsonl"))
+    started = time.time()
+    try:
+        rl_train(config)
+        lines = Path(config.run_uri, "logs", "metrics.jsonl").read_text().splitlines()
+        records = {r["step"]: r for r in map(json.loads, lines) if "time/step" in r}
+        summary = summarize(config, records, gpus, started, args)
+    finally:
+        gpus.close()
+        stop_head(config.cluster)
+    print(json.dumps(summary, indent=1), flush=True)
+    (args.out / f"async_vs_colocated_{args.mode}{'_one_gpu' if args.share_one_gpu else ''}.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # vLLM's engine threads would hold the process open
