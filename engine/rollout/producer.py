@@ -89,7 +89,7 @@ class Producer:
         self._pause_s = 0.0
         self._window = [0.0, 0, 0]  # seconds, samples, tokens produced since the previous batch
         self._in_flight: list[list[RolloutSample]] = []  # groups of the round in progress not yet delivered
-        self._trainer_waiting = False  # get_batch waits: deliver each group as it ends
+        self._trainer_waiting = False  # get_batch waits for groups
         self._part_size = max(1, config.train_batch_size // 4)  # groups per lake part otherwise
         self._thread: threading.Thread | None = None
 
@@ -237,7 +237,7 @@ class Producer:
             generating[id(group)] -= 1
             if generating[id(group)] == 0 and all(s.status != Status.ABORTED for s in group):
                 ended.append(group)
-            if ended and (len(ended) >= self._part_size or self._trainer_waiting):
+            if ended and (len(ended) >= self._part_size or self._completes_a_waiting_batch(len(ended))):
                 self._deliver(ended, round_index, parts)
                 ended, parts = [], parts + 1
         if ended:
@@ -248,6 +248,12 @@ class Producer:
             for group in self._in_flight:  # interrupted by a pause: continued in a later round
                 self.buffer.put(group, "pending")
             self._in_flight = []
+
+    def _completes_a_waiting_batch(self, ended: int) -> bool:
+        """Whether ``ended`` more groups would let a waiting get_batch return (then they go now, not
+        at the next full lake part)."""
+        with self._cond:
+            return self._trainer_waiting and self.buffer.count("completed") + ended >= self._config.train_batch_size
 
     def _deliver(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
         """Score whole groups, write them to the lake, then make them available to the trainer."""
