@@ -183,3 +183,6 @@ def test_a_reward_module_the_workers_cannot_import_ends_the_run_with_its_cause(t
     assert time.monotonic() - started < 120
     metrics = Path(config.run_uri, "logs", "metrics.jsonl")
     assert not metrics.exists() or logged_metrics(config) == {}
+    held = [info["name"] for info in ray.util.placement_group_table().values()
+            if info["name"].startswith("trellis-no_judge-") and info["state"] != "REMOVED"]
+    assert held == []  # the failed start gave its devices back: the next run on the cluster can start

@@ -78,7 +78,23 @@ class RunWorkers:
 
     def attach(self) -> WorkerFacts:
         """Get the run's actors, creating those that do not exist (or died) and replacing those built
-        from other code or settings; report where they stand."""
+        from other code or settings; report where they stand. A start that fails with no actor of the
+        run left alive also gives back the run's placement groups, which would hold their devices."""
+        try:
+            return self._attach()
+        except Exception:
+            if self.config.disaggregated and not any(self._alive(role) for role in ROLES):
+                remove_side_placements(self.config)
+            raise
+
+    def _alive(self, role: Role) -> bool:
+        try:
+            self.actor(role)
+            return True
+        except ValueError:  # no live actor of that name
+            return False
+
+    def _attach(self) -> WorkerFacts:
         check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
         self._retire_stale_workers()
         controller = self._get_or_create("controller")
