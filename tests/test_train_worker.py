@@ -36,7 +36,7 @@ def rollout_batch(tiny_model, reverse_data):
     prompts, _ = load_prompts(config.train_dataset, tokenizer)
     with RewardRunner(config.reward) as rewards:
         produced = rollout_groups(
-            prompts[:16],
+            [(0, prompt) for prompt in prompts[:16]],  # (epoch, prompt), as the sampler draws them
             repeat=8,
             backend=TransformersRollout(str(tiny_model), tokenizer),
             rewards=rewards,
