@@ -322,10 +322,8 @@ class ControllerActor(BuiltFrom):
         taken = self.controller.producer.get_batch(step, wait_s)
         if taken is None:
             return {"ready": 0.0}, None
-        produced = ProduceResult.of(taken.groups, produce_time_s=taken.produce_s)
-        produced.produced_samples, produced.produced_tokens = taken.produced_samples, taken.produced_tokens
-        summary = {**produce_summary(produced), **taken.counters, "expired": float(taken.expired), "ready": 1.0}
-        return summary, produced
+        summary, produced = taken.as_produced()
+        return {**summary, "ready": 1.0}, produced
 
     @ray.method(num_returns=2)
     def load_batch(self, step: int) -> tuple[dict[str, float], ProduceResult]:

@@ -28,8 +28,10 @@ from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.base import RolloutBackend
 from engine.rollout.produce import (
+    ProduceResult,
     generate_streaming,
     new_groups,
+    produce_summary,
     sampling_params,
     score,
     step_seed,
@@ -51,6 +53,13 @@ class TakenBatch:
     produce_s: float = 0.0  # generating and scoring, since the previous batch
     produced_samples: int = 0
     produced_tokens: int = 0
+
+    def as_produced(self) -> tuple[dict[str, float], ProduceResult]:
+        """What ``produce_batch`` returns for a colocated step: the summary that travels to the step's
+        metrics (here with the ``async/*`` counters and ``expired``), and the samples."""
+        produced = ProduceResult.of(self.groups, produce_time_s=self.produce_s)
+        produced.produced_samples, produced.produced_tokens = self.produced_samples, self.produced_tokens
+        return {**produce_summary(produced), **self.counters, "expired": float(self.expired)}, produced
 
 
 @dataclass

@@ -16,7 +16,7 @@ from engine.data.prompts import SkipReport
 from engine.devices import rollout_device, set_up_process
 from engine.rollout.backends import build_rollout_backend
 from engine.rollout.controller import Controller
-from engine.rollout.produce import ProduceResult, produce_summary
+from engine.rollout.produce import produce_summary
 from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
 from engine.run.plan import (
     RunPlan,
@@ -250,9 +250,7 @@ class LocalPhases:
         taken = self._run.controller.producer.get_batch(step, self._config.cluster.ray_get_timeout_s)
         if taken is None:
             raise TimeoutError(f"No batch for step {step} within {self._config.cluster.ray_get_timeout_s:g}s.")
-        produced = ProduceResult.of(taken.groups, produce_time_s=taken.produce_s)
-        produced.produced_samples, produced.produced_tokens = taken.produced_samples, taken.produced_tokens
-        return Batch({**produce_summary(produced), **taken.counters, "expired": float(taken.expired)}, produced)
+        return Batch(*taken.as_produced())
 
     def pause_produce(self, step: int) -> float:
         return self._run.controller.producer.pause_produce(self._config.cluster.ray_get_timeout_s)
