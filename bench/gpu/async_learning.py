@@ -17,9 +17,8 @@ from pathlib import Path
 
 from engine.cluster.head import stop_head
 from engine.config.loading import load_config
-from engine.tiny.model import build_tiny_checkpoint
-from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 from flows.rl_train import rl_train
+from vllm_learning import tiny_task  # beside this script
 
 
 def main() -> None:
@@ -31,13 +30,10 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TRELLIS_BENCH_WORK", "/tmp/trellis-gpu/async-tiny"))
-    model = build_tiny_checkpoint(work / "model")
     vllm_site = os.environ.get("TRELLIS_VLLM_SITE")
     config = load_config(
         "configs/tiny_reverse.yaml",
-        load_from=str(model),
-        train_dataset={"path": str(write_dataset(work / "train.parquet", 4096, seed=0)), "max_prompt_length": 64},
-        eval_dataset={"path": str(write_dataset(work / "eval.parquet", 512, seed=EVAL_SEED_OFFSET)), "max_prompt_length": 64},
+        **tiny_task(work),
         work_dir=str(work / "runs"),
         experiment_name=f"async-{int(time.time())}",
         total_train_steps=args.steps,

@@ -25,6 +25,15 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
+def tiny_task(work: Path) -> dict:
+    """The bundled task's model and datasets under ``work``, as config settings."""
+    return dict(
+        load_from=str(build_tiny_checkpoint(work / "model")),
+        train_dataset={"path": str(write_dataset(work / "train.parquet", 4096, seed=0)), "max_prompt_length": 64},
+        eval_dataset={"path": str(write_dataset(work / "eval.parquet", 512, seed=EVAL_SEED_OFFSET)), "max_prompt_length": 64},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -32,12 +41,9 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu/tiny")
-    model = build_tiny_checkpoint(work / "model")
     config = load_config(
         "configs/tiny_reverse.yaml",
-        load_from=str(model),
-        train_dataset={"path": str(write_dataset(work / "train.parquet", 4096, seed=0)), "max_prompt_length": 64},
-        eval_dataset={"path": str(write_dataset(work / "eval.parquet", 512, seed=EVAL_SEED_OFFSET)), "max_prompt_length": 64},
+        **tiny_task(work),
         work_dir=str(work / "runs"),
         total_train_steps=args.steps,
         checkpoint_interval=-1,
