@@ -1,0 +1,131 @@
+"""Sharded checkpoints of a policy and its AdamW state: each rank writes only the shards it holds.
+
+Layout of ``{folder}``, any fsspec URI (a local path, ``file://``, ``s3://``), in the format of
+``torch.distributed.checkpoint`` (DCP):
+
+    optim/   AdamW state keyed by parameter name (absent when saved without an optimizer)
+    model/   weights keyed by parameter name; written last, so ``model/.metadata`` marks the
+             folder complete
+
+Loading reshards: a checkpoint saved by N ranks loads at any world size, into a model sharded with
+``fully_shard`` or a plain one, and without any process group (DCP's no-dist mode) as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
+
+# Not re-exported by torch.distributed.checkpoint (torch 2.13); this module is where DCP keeps them.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from engine.storage.checkpoints import CheckpointError
+
+MODEL = "model"
+OPTIM = "optim"
+METADATA = ".metadata"  # DCP's own name; it renames it into place once every rank has written
+
+
+def save_sharded(
+    folder_uri: str,
+    storage_options: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Write ``model`` (and ``optimizer``) under ``folder_uri``, a new or empty folder such as
+    ``SaveStore.begin`` returns. Every rank of the default process group calls this."""
+    folder = folder_uri.rstrip("/")
+    if optimizer is not None:
+        _save(get_optimizer_state_dict(model, optimizer), f"{folder}/{OPTIM}", storage_options)
+    _save(get_model_state_dict(model), f"{folder}/{MODEL}", storage_options)
+
+
+def load_sharded(
+    folder_uri: str,
+    storage_options: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Load a checkpoint written by ``save_sharded`` at any world size into ``model`` (and
+    ``optimizer``), sharded or not. Every rank of the default process group, if any, calls this."""
+    folder = folder_uri.rstrip("/")
+    if not is_sharded(folder, storage_options):
+        fs, path = fsspec.core.url_to_fs(folder, **storage_options)
+        what = "does not exist" if not fs.exists(path) else f"holds no sharded checkpoint (no {MODEL}/{METADATA})"
+        raise CheckpointError(f"{folder} {what}.")
+    if optimizer is not None and not _exists(f"{folder}/{OPTIM}/{METADATA}", storage_options):
+        raise CheckpointError(
+            f"{folder} was saved without optimizer state; load it without an optimizer to start with fresh AdamW moments."
+        )
+
+    weights = get_model_state_dict(model)
+    reader = FsspecReader(f"{folder}/{MODEL}", **storage_options)
+    _check_weights(weights, reader.read_metadata(), f"{folder}/{MODEL}")
+    _load(weights, reader, f"{folder}/{MODEL}")
+    set_model_state_dict(model, weights)
+    if optimizer is None:
+        return
+    state = get_optimizer_state_dict(model, optimizer)  # creates AdamW's moments if no step ran yet
+    reader = FsspecReader(f"{folder}/{OPTIM}", **storage_options)
+    stored = {path[1] for path in reader.read_metadata().planner_data.values() if path[0] == "state"}
+    _check_names(set(state["state"]), stored, f"{folder}/{OPTIM}", "optimizer state")
+    _load(state, reader, f"{folder}/{OPTIM}")
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def is_sharded(folder_uri: str, storage_options: Mapping[str, Any]) -> bool:
+    """Whether ``folder_uri`` holds a complete checkpoint written by ``save_sharded``."""
+    return _exists(f"{folder_uri.rstrip('/')}/{MODEL}/{METADATA}", storage_options)
+
+
+def _save(state: dict[str, Any], uri: str, storage_options: Mapping[str, Any]) -> None:
+    fs, _ = fsspec.core.url_to_fs(uri, **storage_options)
+    # fsync is only possible on local files; on object stores DCP falls back to os.sync(), which
+    # flushes every disk of the machine once per file.
+    writer = FsspecWriter(uri, sync_files=isinstance(fs, LocalFileSystem), **storage_options)
+    dcp.save(state, storage_writer=writer)
+
+
+def _load(state: dict[str, Any], reader: FsspecReader, uri: str) -> None:
+    try:
+        dcp.load(state, storage_reader=reader)
+    except Exception as error:  # DCP reports every rank's failure in one CheckpointException
+        raise CheckpointError(f"{uri} could not be loaded: {error}") from error
+
+
+def _check_weights(weights: Mapping[str, torch.Tensor], metadata: Metadata, uri: str) -> None:
+    """Names and full shapes must match: DCP would skip a name the model lacks without a word."""
+    stored = metadata.state_dict_metadata
+    _check_names(set(weights), set(stored), uri, "weights")
+    for name, tensor in weights.items():
+        entry = stored[name]
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{uri} does not match the model: {name} is {list(entry.size)} there, {list(tensor.shape)} in the model."
+            )
+
+
+def _check_names(model_names: set[str], stored: set[str], uri: str, what: str) -> None:
+    missing, unexpected = sorted(model_names - stored), sorted(stored - model_names)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{uri} does not match the model's {what}: missing from the checkpoint {missing}, "
+            f"not in the model {unexpected}."
+        )
+
+
+def _exists(uri: str, storage_options: Mapping[str, Any]) -> bool:
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+    fs.invalidate_cache(path)  # another process may have written it since this one last looked
+    return fs.exists(path)
