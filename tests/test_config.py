@@ -123,11 +123,22 @@ def test_an_unknown_key_does_not_hide_the_other_problems():
 def test_replay_buffer_settings_belong_to_the_disaggregated_trainer():
     check("checkpoint_no_save_replay_buffer is set, but only trainer: disaggregated", checkpoint_no_save_replay_buffer=True)
     check("replay_buffer is set, but only trainer: disaggregated", replay_buffer={"max_staleness": 1})
-    check("rollout_resources.num_workers: one worker per side", trainer="disaggregated", rollout_resources={"num_workers": 2})
     check("needs replay_buffer.enable_partial_rollout", trainer="disaggregated",
           replay_buffer={"mask_offpolicy_in_partial_rollout": True})
     config = load_config(None, **BASE, trainer="disaggregated", replay_buffer={"max_staleness": 1}, sync_weights_interval=2)
     assert config.stale_after == 4
+
+
+def test_several_workers_per_side_are_checked_before_anything_starts():
+    """Tried as a new user would: more trainer ranks than a mini-batch has samples, CUDA graphs on
+    several ranks, unequal sides colocated on GPUs, and a GPU share per worker on a colocated run."""
+    check("train_resources.num_workers=9 exceeds the 8 samples of a mini-batch", train_batch_size=2, prompt_repeat_k=4,
+          train_resources={"num_workers": 9})
+    check("must be equal", train_resources={"num_workers": 2}, rollout={"backend": "vllm"})
+    check("a colocated worker shares one GPU", rollout_resources={"accelerators_per_worker": 2})
+    config = load_config(None, **{**BASE, "train_batch_size": 2, "prompt_repeat_k": 4},
+                         train_resources={"num_workers": 3}, rollout_resources={"num_workers": 2})
+    assert (config.train_resources.num_workers, config.rollout_resources.num_workers) == (3, 2)  # CPU: any split
 
 
 def test_runtime_envs_take_no_secrets_and_no_code():

@@ -106,12 +106,33 @@ def trainer_problems(config: TrellisConfig) -> list[str]:
         return problems
     if config.debug_rollout or config.debug_train:
         problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
-    for side in ("train_resources", "rollout_resources"):
-        if getattr(config, side).num_workers != 1:
-            problems.append(f"{side}.num_workers: one worker per side for now (several arrive with multi-GPU training).")
     if config.replay_buffer.mask_offpolicy_in_partial_rollout and not config.replay_buffer.enable_partial_rollout:
         problems.append("replay_buffer.mask_offpolicy_in_partial_rollout needs replay_buffer.enable_partial_rollout.")
     return problems
 
 
-RULES = (mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems)
+def resource_problems(config: TrellisConfig) -> list[str]:
+    """Several trainer ranks or rollout workers."""
+    problems = []
+    ranks, engines = config.train_resources.num_workers, config.rollout_resources.num_workers
+    per_mini_batch = config.train_batch_size * config.prompt_repeat_k // config.train_worker.optimizer_steps
+    if ranks > per_mini_batch:
+        problems.append(
+            f"train_resources.num_workers={ranks} exceeds the {per_mini_batch} samples of a mini-batch "
+            "(train_batch_size x prompt_repeat_k / train_worker.optimizer_steps): every trainer rank needs one."
+        )
+    if ranks > 1 and config.train_worker.cuda_graphs:
+        problems.append("train_worker.cuda_graphs runs on one trainer rank; several ranks shard the model with FSDP.")
+    if not config.disaggregated and ranks != engines and (config.rollout.backend == "vllm" or config.train_worker.device == "cuda"):
+        problems.append(
+            f"A colocated run on GPUs puts one trainer rank and one rollout worker on each GPU: train_resources.num_workers "
+            f"({ranks}) and rollout_resources.num_workers ({engines}) must be equal."
+        )
+    if not config.disaggregated:
+        for side in ("train_resources", "rollout_resources"):
+            if getattr(config, side).accelerators_per_worker != 1.0:
+                problems.append(f"{side}.accelerators_per_worker: a colocated worker shares one GPU; set it with trainer: disaggregated.")
+    return problems
+
+
+RULES = (mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)

@@ -173,9 +173,10 @@ class TrainWorkerConfig(Frozen):
 
 
 class ResourcesConfig(Frozen):
-    """What one side of a disaggregated run holds (XTuner's ``AcceleratorResourcesConfig``)."""
+    """What one side of a run holds (XTuner's ``AcceleratorResourcesConfig``): trainer ranks (one FSDP
+    group) or rollout workers (engines the controller spreads groups over)."""
 
-    num_workers: int = Field(1, ge=1, description="Workers of this side (one per side for now).")
+    num_workers: int = Field(1, ge=1, description="Trainer ranks, or rollout workers, of this side.")
     accelerators_per_worker: float = Field(
         1.0, gt=0.0, description="GPUs per worker on a cluster with GPUs; CPUs per worker on a CPU cluster."
     )

@@ -9,8 +9,9 @@ trained at 0.62x the speed of plain bf16 autocast, which is why ``train_worker.f
 
 from __future__ import annotations
 
+import datetime
 import socket
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,42 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def join_process_group(host: str, port: int, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    """This trainer rank's place in the run's trainer group (NCCL on GPUs, gloo on CPU). Every
+    collective gives up after ``timeout_s``: a rank that died fails the others instead of hanging them."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def rank_and_world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    return _reduce(values, dist.ReduceOp.SUM)
+
+
+def max_over_ranks(values: Sequence[int]) -> list[int]:
+    return [int(v) for v in _reduce(values, dist.ReduceOp.MAX)]
+
+
+def _reduce(values: Sequence[float], op) -> list[float]:
+    if rank_and_world()[1] == 1:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -85,6 +85,33 @@ def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bo
     return _first_fit_decreasing(sequences, pack_max_length)
 
 
+def split_by_tokens(sequences: list[TrainSequence], parts: int) -> list[list[int]]:
+    """Indices of ``sequences`` for each of ``parts`` trainer ranks, balanced by token count.
+
+    The samples of one prompt (consecutive sequences with the same shared prompt) stay on one rank, so
+    that the ``shared_prefix`` layout still computes their prompt once. Longest units go first, each to
+    the rank with the fewest tokens so far; each rank keeps its sequences in the given order.
+    """
+    units: list[list[int]] = []
+    for index, sequence in enumerate(sequences):
+        if units and _same_prompt(sequences[units[-1][0]], sequence):
+            units[-1].append(index)
+        else:
+            units.append([index])
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for unit in sorted(units, key=lambda u: -sum(sequences[i].num_tokens for i in u)):
+        target = loads.index(min(loads))
+        shares[target].extend(unit)
+        loads[target] += sum(sequences[i].num_tokens for i in unit)
+    return [sorted(share) for share in shares]
+
+
+def _same_prompt(first: TrainSequence, second: TrainSequence) -> bool:
+    length = first.prompt_length
+    return length > 0 and second.prompt_length == length and first.input_ids[:length] == second.input_ids[:length]
+
+
 def _fill_in_order(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
     packs: list[list[int]] = []
     current: list[int] = []

@@ -8,6 +8,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from engine.data.prepare import TrainSequence
 
@@ -44,8 +45,11 @@ class Tally:
         value = value.detach().float()
         self._minima[name] = torch.minimum(self._minima[name], value) if name in self._minima else value
 
-    def values(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """All three as floats, read back from the device at once."""
+    def values(self, *, reduce_over_ranks: bool = False) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """All three as floats, read back from the device at once; with ``reduce_over_ranks``, summed,
+        maximised and minimised over the ranks of the default process group first."""
+        if reduce_over_ranks:
+            self._reduce_over_ranks()
         tables = (self._sums, self._maxima, self._minima)
         out: tuple[dict[str, float], ...] = (defaultdict(float), {}, {})
         entries = [(which, name, value) for which, table in enumerate(tables) for name, value in table.items()]
@@ -54,6 +58,23 @@ class Tally:
             for (which, name, _), number in zip(entries, numbers):
                 out[which][name] = number
         return out
+
+
+    def _reduce_over_ranks(self) -> None:
+        tables = (self._sums, self._maxima, self._minima)
+        names: list[list[set[str]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(names, [set(table) for table in tables])
+        device = next((v.device for table in tables for v in table.values()), torch.device("cpu"))
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        empty = (0.0, -math.inf, math.inf)  # what a rank without a value adds
+        for which, (table, op) in enumerate(zip(tables, (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN))):
+            keys = sorted(set().union(*(rank_names[which] for rank_names in names)))
+            if not keys:
+                continue
+            stacked = torch.stack([table[k].to(device) if k in table else torch.tensor(empty[which], device=device) for k in keys])
+            dist.all_reduce(stacked, op=op)
+            table.update(zip(keys, stacked.unbind()))
 
 
 def split_evenly(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:

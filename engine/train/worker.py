@@ -33,13 +33,15 @@ from engine.storage.checkpoints import (
     downloaded,
     exists,
     load_object,
+    save_object,
     staging_folder,
     untied_state_dict,
 )
 from engine.train import fsdp
 from engine.train.compile import compile_decoder
 from engine.train.logprob_head import Policy, output_head
-from engine.train.packing import MicroBatch, PackedBatch, pack, to_packed, to_padded
+from engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
+from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
 from engine.train.tally import (
     Tally,
@@ -62,6 +64,11 @@ class FitResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+_NO_OPTIMIZER = (
+    "{uri} holds no optimizer state (saved with checkpoint_no_save_optimizer); set "
+    "load_checkpoint_cfg.load_optimizer_states=false to start with fresh AdamW moments."
+)
+
 Layout = MicroBatch | PackedBatch | SharedPrefixBatch
 LAYOUTS = {"packed": to_packed, "padded": to_padded, "shared_prefix": to_shared_prefix}
 
@@ -76,7 +83,9 @@ class TrainingWorker:
         self._device = resolve_device(config.train_worker.device)
         worker = config.train_worker
         bf16 = self._device.type == "cuda" and worker.dtype in ("auto", "bfloat16")
-        self._fsdp = worker.fsdp
+        # Several trainer ranks (a process group started by the caller) always shard the model.
+        self._rank, self._world = fsdp.rank_and_world()
+        self._fsdp = worker.fsdp or self._world > 1
         # Parameters and AdamW states stay float32. On GPU the compute runs in bf16: through FSDP2's
         # mixed-precision policy, or else under autocast.
         self._autocast = bf16 and not self._fsdp
@@ -134,18 +143,30 @@ class TrainingWorker:
         # With one mini-batch the policy is still the rollout-time policy when the loss is taken, so
         # the "old" logprobs are the current ones detached and need no extra forward pass.
         needs_old = len(mini_batches) > 1
-        micro_per_mini = [self._micro_batches(seqs) for seqs in mini_batches]
+        micro_per_mini = [self._micro_batches(self._my_share(seqs)) for seqs in mini_batches]
+        # Every rank runs as many micro-batches per mini-batch (each forward and backward takes part
+        # in FSDP's collectives): a rank with fewer repeats a micro-batch of the mini-batch, weighted 0.
+        real_counts = [len(micro) for micro in micro_per_mini]
+        for seqs, micro, count in zip(mini_batches, micro_per_mini, fsdp.max_over_ranks(real_counts)):
+            filler = micro[0] if micro else self._micro_batches(seqs[:1])[0]
+            micro.extend([filler] * (count - len(micro)))
         # Old and reference logprobs are taken for the whole batch before the first update.
         old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
         ref = None
         if self._reference is not None:
             ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
         for index, micro in enumerate(micro_per_mini):
-            metrics = self._update(micro, old[index] if old else None, ref[index] if ref else None)
+            metrics = self._update(micro, real_counts[index], old[index] if old else None, ref[index] if ref else None)
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
         self.applied_step = step
         return result
+
+    def _my_share(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
+        """This rank's part of a mini-batch: every rank gets the whole batch and keeps its share."""
+        if self._world == 1:
+            return sequences
+        return [sequences[i] for i in split_by_tokens(sequences, self._world)[self._rank]]
 
     def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
         layout = self._layout
@@ -169,10 +190,16 @@ class TrainingWorker:
         with torch.autocast(self._device.type, dtype=torch.bfloat16, enabled=self._autocast):
             return policy(batch)
 
-    def _update(self, micro: list[Layout], old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> dict[str, float]:
+    def _update(
+        self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+    ) -> dict[str, float]:
+        """One optimizer step over ``micro``, of which the first ``real`` are this rank's share (the rest
+        only keep the ranks in step). The loss is normalised by the tokens (or sequences) of every
+        rank, so that N ranks make the update one rank would."""
         loss_config = self._config.loss
-        total_tokens = float(sum(m.label_index_K.numel() for m in micro))
-        total_sequences = float(sum(m.num_sequences for m in micro))
+        total_tokens, total_sequences = fsdp.sum_over_ranks(
+            [float(sum(m.label_index_K.numel() for m in micro[:real])), float(sum(m.num_sequences for m in micro[:real]))]
+        )
         tally = Tally()
         if self._cuda_graphs:
             # The first backward would keep its gradients as .grad, in memory its graph overwrites when
@@ -181,16 +208,17 @@ class TrainingWorker:
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
         for index, batch in enumerate(micro):
+            record = tally if index < real else Tally()  # a filler's metrics are not this rank's
             mask = batch.loss_mask_NL
             logprobs, entropy = self._token_logprobs(self.policy, batch)
             old_logprobs = old[index] if old is not None else logprobs.detach()
             is_weights = None
             if loss_config.rollout_is.level != "none":
                 is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
-                tally.add("rollout_is/weight_sum", is_stats["weight_sum"])
-                tally.add("rollout_is/rejected", is_stats["rejected"])
-                tally.max("rollout_is/max", is_stats["weight_max"])
-                tally.min("rollout_is/min", is_stats["weight_min"])
+                record.add("rollout_is/weight_sum", is_stats["weight_sum"])
+                record.add("rollout_is/rejected", is_stats["rejected"])
+                record.max("rollout_is/max", is_stats["weight_max"])
+                record.min("rollout_is/min", is_stats["weight_min"])
             pg_loss, kl, counts = policy_objective(
                 logprobs,
                 old_logprobs,
@@ -202,20 +230,15 @@ class TrainingWorker:
             )
             reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
             loss = aggregate(pg_loss, mask, **reduce)
-            tally.add("pg_loss", loss)
+            record.add("pg_loss", loss)
             if kl is not None:
                 kl_loss = aggregate(kl, mask, **reduce)
                 loss = loss + loss_config.kl_coef * kl_loss
-                tally.add("kl", kl_loss)
-            loss.backward()
-            for name, value in counts.items():
-                tally.add(name, value)
-            tally.add("entropy_sum", entropy.sum())
-            for name, value in mismatch_sums(old_logprobs.detach(), batch.rollout_logprobs_NL, mask).items():
-                if name.endswith("_max"):
-                    tally.max(f"mismatch/{name}", value)
-                else:
-                    tally.add(f"mismatch/{name}", value)
+                record.add("kl", kl_loss)
+            # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
+            # so the world size turns that average back into their sum.
+            (loss * (self._world if index < real else 0.0)).backward()
+            _record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -224,7 +247,7 @@ class TrainingWorker:
             logger.warning("Non-finite grad norm %s: this mini-batch's update is skipped.", float(grad_norm))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return mini_batch_metrics(*tally.values(), total_tokens, float(grad_norm), lr)
+        return mini_batch_metrics(*tally.values(reduce_over_ranks=self._world > 1), total_tokens, float(grad_norm), lr)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
@@ -248,45 +271,61 @@ class TrainingWorker:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
-        """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states."""
+        """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states.
+        Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
+        size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
+        state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+        if self._world > 1:
+            save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
+            name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
+            save_object(state, f"{uri.rstrip('/')}/{name}", storage_options)
+            return
         tensors, aliases = untied_state_dict(self.export_weights())
         with staging_folder(uri, storage_options) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
                 torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
-            state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
             torch.save(state, f"{folder}/trainer.pt")
 
     def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
-        """Restore what ``save_checkpoint`` wrote; returns the checkpoint's step."""
+        """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
         uri = uri.rstrip("/")
+        if is_sharded(uri, storage_options):
+            if load_optimizer and not exists(f"{uri}/optim", storage_options):
+                raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
+            load_sharded(uri, storage_options, self.model, self.optimizer if load_optimizer else None)
+        else:
+            self._load_full_weights(uri, storage_options)
+            if load_optimizer:
+                if not exists(f"{uri}/optimizer.pt", storage_options):
+                    raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
+                fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
+        if not load_optimizer:
+            self.optimizer.state.clear()
+        state = load_object(f"{uri}/trainer.pt", storage_options)
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        rank_state = f"{uri}/trainer-rank{self._rank}.pt"  # absent when the checkpoint had fewer ranks
+        restore_rng((load_object(rank_state, storage_options) if self._rank and exists(rank_state, storage_options) else state)["rng"])
+        self.applied_step = int(state["applied_step"])
+        return self.applied_step
+
+    def _load_full_weights(self, uri: str, storage_options: Mapping[str, Any]) -> None:
         with downloaded(f"{uri}/model.safetensors", storage_options) as local:
             with safe_open(local, framework="pt") as handle:
                 aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
             missing, unexpected = fsdp.load_model_state(self.model, load_file(local, device=str(self._device)))
         if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
             raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
-        state = load_object(f"{uri}/trainer.pt", storage_options)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if load_optimizer:
-            if not exists(f"{uri}/optimizer.pt", storage_options):
-                raise CheckpointError(
-                    f"{uri} holds no optimizer state (saved with checkpoint_no_save_optimizer); set "
-                    "load_checkpoint_cfg.load_optimizer_states=false to start with fresh AdamW moments."
-                )
-            fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
-        else:
-            self.optimizer.state.clear()
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-        restore_rng(state["rng"])
-        self.applied_step = int(state["applied_step"])
-        return self.applied_step
 
     def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
+        weights = self.export_weights()  # every rank takes part in gathering the full tensors
+        if self._rank != 0:
+            return
         with staging_folder(uri, storage_options) as folder:
-            self.model.save_pretrained(folder, state_dict=self.export_weights(), safe_serialization=True)
+            self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
     def offload(self) -> None:
@@ -305,6 +344,19 @@ class TrainingWorker:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
+
+
+def _record_token_stats(record: Tally, counts: dict[str, torch.Tensor], entropy: torch.Tensor, old_logprobs: torch.Tensor,
+                        rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """A micro-batch's clip counts, entropy and train/rollout mismatch sums."""
+    for name, value in counts.items():
+        record.add(name, value)
+    record.add("entropy_sum", entropy.sum())
+    for name, value in mismatch_sums(old_logprobs, rollout_logprobs, mask).items():
+        if name.endswith("_max"):
+            record.max(f"mismatch/{name}", value)
+        else:
+            record.add(f"mismatch/{name}", value)
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:
