@@ -89,10 +89,15 @@ def test_after_a_cpu_sync_the_rollout_worker_serves_the_trainers_weights_tensor_
 
 def test_the_transport_follows_placement_and_setting():
     choose = weight_sync.weight_transport
-    assert choose("auto", "gpu-a", "gpu-a") == choose("broadcast", "gpu-a", "gpu-a") == "cuda_ipc"
-    assert choose("auto", "gpu-a", "gpu-b") == "nccl" and choose("object_store", "gpu-a", "gpu-b") == "object_store"
-    assert choose("auto", None, None) == "object_store" and choose("broadcast", None, None) == "gloo"
-    assert choose("broadcast", "gpu-a", None) == "gloo" and choose("auto", "gpu-a", None) == "object_store"
+    assert choose("auto", ["gpu-a"], ["gpu-a"]) == choose("broadcast", ["gpu-a"], ["gpu-a"]) == "cuda_ipc"
+    assert choose("auto", ["gpu-a"], ["gpu-b"]) == "nccl" and choose("object_store", ["gpu-a"], ["gpu-b"]) == "object_store"
+    assert choose("auto", [None], [None]) == "object_store" and choose("broadcast", [None], [None]) == "gloo"
+    assert choose("broadcast", ["gpu-a"], [None]) == "gloo" and choose("auto", ["gpu-a"], [None]) == "object_store"
+    # several ranks and engines: colocated pairs use IPC, other GPUs one broadcast group
+    assert choose("auto", ["gpu-a", "gpu-b"], ["gpu-b", "gpu-a"]) == "cuda_ipc"
+    assert choose("auto", ["gpu-a", "gpu-b"], ["gpu-c", "gpu-d"]) == "nccl"
+    with pytest.raises(weight_sync.WeightSyncError, match="Some rollout workers share a GPU"):
+        choose("auto", ["gpu-a", "gpu-b"], ["gpu-a", "gpu-c"])
 
 
 def test_a_rollout_worker_killed_after_a_broadcast_is_replaced_and_paired_anew(tiny_model, reverse_data, tmp_path, ray_cluster):

@@ -21,14 +21,15 @@ from engine.devices import resolve_device, rollout_device, set_up_process
 from engine.rollout.backends import build_rollout_backend
 from engine.rollout.base import Generation, SamplingParams
 from engine.rollout.controller import Controller
+from engine.rollout.pool import RolloutPool
 from engine.rollout.produce import ProduceResult, produce_summary
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.run.identity import WorkerFingerprint
 from engine.secrets import Credentials
 from engine.storage.trackers import Trackers
+from engine.train.fsdp import join_process_group
 from engine.train.worker import FitResult, TrainingWorker
 from engine.weights.broadcast import (
-    RECEIVER,
     SENDER,
     GroupAddress,
     WeightGroup,
@@ -62,14 +63,38 @@ class BuiltFrom:
 
 @ray.remote(num_cpus=0)
 class TrainerActor(BuiltFrom):
+    """One rank of the run's trainer. With several ranks, the worker is built once every rank has
+    joined the trainer group (``join_trainer_group``, called on all ranks at once)."""
+
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
-                 total_train_steps: int, pad_token_id: int) -> None:
+                 total_train_steps: int, pad_token_id: int, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(config, fingerprint, credentials, "train")
-        self.worker = TrainingWorker(config, total_train_steps=total_train_steps, pad_token_id=pad_token_id)
-        self._on_gpu = resolve_device(config.train_worker.device).type == "cuda"
+        self._config = config
+        self._build = dict(total_train_steps=total_train_steps, pad_token_id=pad_token_id)
+        self.rank, self.world_size = rank, world_size
+        self._device = resolve_device(config.train_worker.device)
+        self._on_gpu = self._device.type == "cuda"
         self._sender: WeightSender | None = None
         self._weight_group: WeightGroup | None = None
         self._timeout_s = config.cluster.ray_get_timeout_s
+        self._worker: TrainingWorker | None = None
+        if world_size == 1:
+            self._worker = TrainingWorker(config, **self._build)
+
+    @property
+    def worker(self) -> TrainingWorker:
+        if self._worker is None:
+            raise RuntimeError(f"Trainer rank {self.rank} of {self.world_size} has not joined its trainer group.")
+        return self._worker
+
+    def trainer_group_address(self) -> tuple[str, int]:
+        """Where the trainer group meets: this (rank 0's) node, on a free port."""
+        host = ray.util.get_node_ip_address()
+        return host, free_address(host, "trainer", nccl=False).port
+
+    def join_trainer_group(self, host: str, port: int) -> None:
+        join_process_group(host, port, self.rank, self.world_size, self._device, self._timeout_s)
+        self._worker = TrainingWorker(self._config, **self._build)
 
     def gpu_identity(self) -> str | None:
         return gpu_identity() if self._on_gpu else None
@@ -85,11 +110,11 @@ class TrainerActor(BuiltFrom):
             self._sender.release()
             self._sender = None
 
-    def weight_group_address(self, key: str, nccl: bool) -> GroupAddress:
+    def weight_group_address(self, key: str, nccl: bool, size: int) -> GroupAddress:
         """Where the weight group named ``key`` meets: the live group's address, or a new one."""
         if self._weight_group is not None and self._weight_group.address.key == key:
             return self._weight_group.address
-        return free_address(ray.util.get_node_ip_address(), key, nccl=nccl)
+        return free_address(ray.util.get_node_ip_address(), key, nccl=nccl, size=size)
 
     def join_weight_group(self, address: GroupAddress) -> None:
         self._weight_group = rejoin(self._weight_group, address, SENDER, self._timeout_s)
@@ -98,14 +123,19 @@ class TrainerActor(BuiltFrom):
         return layouts(self.worker.export_weights(), float_dtype=float_dtype)
 
     def broadcast_weights(self, float_dtype: torch.dtype) -> None:
-        group = self._weight_group
-        group.send(flatten(self.worker.export_weights(), float_dtype=float_dtype, device=group.device))
+        """Rank 0 sends to the weight group; the other ranks only help gather the full weights."""
+        weights = self.worker.export_weights()
+        if self.rank == 0:
+            group = self._weight_group
+            group.send(flatten(weights, float_dtype=float_dtype, device=group.device))
 
     def fit(self, batch: PreparedBatch, step: int) -> FitResult:
         return self.worker.fit(batch, step)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.cpu() for name, tensor in self.worker.export_weights().items()}
+        """The full weights on rank 0; every rank must call it (gathering shards is collective)."""
+        weights = self.worker.export_weights()
+        return {name: tensor.cpu() for name, tensor in weights.items()} if self.rank == 0 else {}
 
     def applied_step(self) -> int:
         return self.worker.applied_step
@@ -144,8 +174,8 @@ class RolloutActor(BuiltFrom):
     def gpu_identity(self) -> str | None:
         return gpu_identity() if self._on_gpu else None
 
-    def join_weight_group(self, address: GroupAddress) -> None:
-        self._weight_group = rejoin(self._weight_group, address, RECEIVER, self._timeout_s)
+    def join_weight_group(self, address: GroupAddress, rank: int) -> None:
+        self._weight_group = rejoin(self._weight_group, address, rank, self._timeout_s)
 
     def receive_weights(self, layouts: list[BucketLayout], policy_version: int) -> int:
         self.backend.load_weights(self._weight_group.receive(layouts), policy_version)
@@ -292,22 +322,20 @@ class ControllerActor(BuiltFrom):
             self.trackers = None
 
     @ray.method(num_returns=2)
-    def produce_batch(self, step: int, rollout) -> tuple[dict[str, float], ProduceResult]:
+    def produce_batch(self, step: int, rollouts: list) -> tuple[dict[str, float], ProduceResult]:
         """Idempotent: a batch launched ahead (``start_rollout``) is returned as produced."""
-        produced = self.controller.produce_batch(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+        produced = self.controller.produce_batch(step, self._rollout(rollouts))
         return produce_summary(produced), produced
 
     # -- trainer: disaggregated ----------------------------------------------------------------------
 
-    def continue_produce(self, model_step: int, rollout) -> None:
-        """Start (or go on with) the background producer; ``rollout`` serves ``model_step``'s weights."""
-        timeout = self.config.cluster.ray_get_timeout_s
-        self.controller.producer.continue_produce(model_step, RemoteRollout(rollout, timeout))
+    def continue_produce(self, model_step: int, rollouts: list) -> None:
+        """Start (or go on with) the background producer; ``rollouts`` serve ``model_step``'s weights."""
+        self.controller.producer.continue_produce(model_step, self._rollout(rollouts))
 
-    def restart_produce(self, rollout) -> None:
-        """After a failure (a lost rollout worker, replaced since): go on with what ``rollout`` serves."""
-        timeout = self.config.cluster.ray_get_timeout_s
-        backend = RemoteRollout(rollout, timeout)
+    def restart_produce(self, rollouts: list) -> None:
+        """After a failure (a lost rollout worker, replaced since): go on with what ``rollouts`` serve."""
+        backend = self._rollout(rollouts)
         self.controller.producer.continue_produce(backend.policy_version, backend)
 
     def pause_produce(self) -> float:
@@ -344,7 +372,13 @@ class ControllerActor(BuiltFrom):
     def write_trajectories(self, produced: ProduceResult, step: int, split: str) -> str:
         return self.controller.write_trajectories(produced.groups, step, split)[0]
 
-    def evaluate(self, step: int, rollout) -> tuple[str, dict[str, float]]:
-        groups, metrics = self.controller.evaluate(step, RemoteRollout(rollout, self.config.cluster.ray_get_timeout_s))
+    def evaluate(self, step: int, rollouts: list) -> tuple[str, dict[str, float]]:
+        groups, metrics = self.controller.evaluate(step, self._rollout(rollouts))
         uri, _ = self.controller.write_trajectories(groups, step, "eval")
         return uri, metrics
+
+    def _rollout(self, rollouts: list) -> RemoteRollout | RolloutPool:
+        """The rollout workers as one backend: the worker itself, or a pool spreading groups over them."""
+        timeout = self.config.cluster.ray_get_timeout_s
+        engines = [RemoteRollout(handle, timeout) for handle in rollouts]
+        return engines[0] if len(engines) == 1 else RolloutPool(engines)

@@ -34,7 +34,7 @@ class ClusterPhases:
         """Collects the batch ``start_rollout`` launched ahead, or launches it now."""
         workers = self.workers
         workers.hand_accelerator_to("rollout")
-        summary_ref, samples_ref = workers.actor("controller").produce_batch.remote(step, workers.actor("rollout"))
+        summary_ref, samples_ref = workers.actor("controller").produce_batch.remote(step, workers.actors("rollout"))
         summary = workers.wait(summary_ref)
         return Batch(summary, samples_ref, summary["launched_s"])
 
@@ -43,7 +43,7 @@ class ClusterPhases:
         ``produce_batch[step]``."""
         workers = self.workers
         workers.hand_accelerator_to("rollout")
-        workers.actor("controller").produce_batch.remote(step, workers.actor("rollout"))
+        workers.actor("controller").produce_batch.remote(step, workers.actors("rollout"))
 
     def get_batch(self, step: int) -> Batch:
         """disaggregated: the next batch from the producer's replay buffer, asked for every few
@@ -60,7 +60,7 @@ class ClusterPhases:
     def restart_producer(self) -> None:
         """A retried get_batch: the producer starts again on the (perhaps replaced) rollout worker."""
         workers = self.workers
-        workers.wait(workers.actor("controller").restart_produce.remote(workers.actor("rollout")))
+        workers.wait(workers.actor("controller").restart_produce.remote(workers.actors("rollout")))
 
     def pause_produce(self, step: int) -> float:
         return self.workers.wait(self.workers.actor("controller").pause_produce.remote())
@@ -68,7 +68,7 @@ class ClusterPhases:
     def continue_produce(self, step: int) -> None:
         """The producer goes on with the weights of ``step``, which the rollout now serves."""
         workers = self.workers
-        workers.wait(workers.actor("controller").continue_produce.remote(step, workers.actor("rollout")))
+        workers.wait(workers.actor("controller").continue_produce.remote(step, workers.actors("rollout")))
 
     def load_batch(self, step: int) -> Batch:
         """debug_train: a stored batch from the Parquet lake instead of a rollout."""
@@ -85,7 +85,8 @@ class ClusterPhases:
 
     def fit(self, step: int, prepared: Prepared) -> dict[str, float]:
         self.workers.hand_accelerator_to("trainer")
-        return self.workers.wait(self.workers.actor("trainer").fit.remote(prepared.sequences, step)).metrics
+        ranks = self.workers.actors("trainer")
+        return self.workers.wait([rank.fit.remote(prepared.sequences, step) for rank in ranks])[0].metrics
 
     def save_checkpoint(self, step: int) -> str:
         """Every worker writes its part of the checkpoint in parallel; ``commit_checkpoint`` seals it."""
@@ -93,15 +94,15 @@ class ClusterPhases:
         waits = [self.workers.actor("controller").save_checkpoint.remote(uri)]
         if "trainer" in self.workers.roles:
             save_optimizer = not config.checkpoint_no_save_optimizer
-            waits.append(self.workers.actor("trainer").save_checkpoint.remote(uri, config.storage_options, save_optimizer))
+            waits += [t.save_checkpoint.remote(uri, config.storage_options, save_optimizer) for t in self.workers.actors("trainer")]
         self.workers.wait(waits)
         return uri
 
     def export_hf(self, step: int) -> str:
         """``save_pretrained`` model + tokenizer under ``{run}/hf/step-NNNNNN``, pruned to ``hf_max_keep``."""
         uri, config = begin_hf_export(self.config, step), self.config
-        trainer = self.workers.actor("trainer")
-        self.workers.wait(trainer.export_hf.remote(uri, config.storage_options, config.tokenizer_source))
+        ranks = self.workers.actors("trainer")  # all gather the full weights; rank 0 writes them
+        self.workers.wait([rank.export_hf.remote(uri, config.storage_options, config.tokenizer_source) for rank in ranks])
         seal_hf_export(config, step)
         return uri
 
@@ -111,7 +112,7 @@ class ClusterPhases:
     def evaluate(self, step: int) -> Evaluation:
         workers = self.workers
         workers.hand_accelerator_to("rollout")
-        uri, metrics = workers.wait(workers.actor("controller").evaluate.remote(step, workers.actor("rollout")))
+        uri, metrics = workers.wait(workers.actor("controller").evaluate.remote(step, workers.actors("rollout")))
         return Evaluation(uri, metrics)
 
     def log_step(self, step: int, record: StepRecord) -> Logged:

@@ -1,5 +1,8 @@
-"""Where a run's workers go: how much of a GPU each asks Ray for, and, for the disaggregated
-trainer, the two placement groups (train and rollout) that keep the sides on devices of their own."""
+"""Where a run's workers go: how much of a GPU each asks Ray for, and the placement groups that hold
+their devices: for the disaggregated trainer, one per side (train and rollout), so the sides run on
+devices of their own; for a colocated run on several GPUs, one whose k-th bundle (a GPU) holds trainer
+rank k and rollout worker k. A bundle per trainer rank or rollout worker, placed by
+``cluster.placement_strategy`` (PACK: on as few nodes as fit; SPREAD: over nodes)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import TrellisConfig
 from engine.run.plan import Role, roles_for
 
-Side = Literal["train", "rollout"]
+Side = Literal["train", "rollout", "colocated"]
 SIDE_OF: dict[Role, Side] = {"trainer": "train", "rollout": "rollout", "controller": "rollout"}
 
 
@@ -53,20 +56,72 @@ def _resources(config: TrellisConfig, side: Side):
     return config.train_resources if side == "train" else config.rollout_resources
 
 
-def side_placement(config: TrellisConfig, role: Role, timeout_s: float) -> PlacementGroupSchedulingStrategy:
+def placement_strategy(config: TrellisConfig, role: Role, index: int, timeout_s: float) -> PlacementGroupSchedulingStrategy | None:
+    """Where the ``index``-th actor of ``role`` goes: its bundle of the run's placement group, or
+    anywhere (None) for a colocated run on one GPU or on CPU."""
+    if config.disaggregated:
+        return side_placement(config, role, index, timeout_s)
+    if role == "controller" or not _colocated_on_gpus(config):
+        return None
+    group = _placement_group(config, "colocated", timeout_s)
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+
+def _colocated_on_gpus(config: TrellisConfig) -> bool:
+    """A colocated run on several GPUs: each bundle holds one trainer rank and one rollout worker."""
+    workers = max(config.train_resources.num_workers, config.rollout_resources.num_workers)
+    return workers > 1 and ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu"
+
+
+def side_placement(config: TrellisConfig, role: Role, index: int, timeout_s: float) -> PlacementGroupSchedulingStrategy:
     """The scheduling strategy that puts ``role`` in its side's placement group (made on first use:
     ``num_workers`` bundles of ``accelerators_per_worker`` GPUs, or CPUs on a cluster without GPUs)."""
+    check_fits(config)
     groups = {side: _placement_group(config, side, timeout_s) for side in ("train", "rollout")}
     if groups["train"].id == groups["rollout"].id:
         raise GpuPlacementError(
             f"The train and rollout placement groups of {config.experiment_name} resolved to one group "
             f"({groups['train'].id}); a disaggregated run needs two. Release the run's workers and try again."
         )
-    return PlacementGroupSchedulingStrategy(placement_group=groups[SIDE_OF[role]], placement_group_bundle_index=0)
+    return PlacementGroupSchedulingStrategy(placement_group=groups[SIDE_OF[role]], placement_group_bundle_index=index)
+
+
+def check_fits(config: TrellisConfig) -> None:
+    """Refuse at once a run that asks for more GPUs (or CPUs) than the whole cluster has, instead of
+    waiting for a placement group that can never be placed."""
+    cluster = ray.cluster_resources()
+    kind = _bundle_kind(config)
+    wanted = sum(_bundles(config, side)[0][kind] * len(_bundles(config, side)) for side in _sides(config))
+    if wanted > cluster.get(kind, 0.0) + 1e-9:
+        asked = ", ".join(
+            f"{side}: {len(_bundles(config, side))} x {_bundles(config, side)[0][kind]:g} {kind}" for side in _sides(config)
+        )
+        raise GpuPlacementError(
+            f"{config.experiment_name} asks for {wanted:g} {kind} ({asked}), but the Ray cluster has "
+            f"{cluster.get(kind, 0.0):g}. Lower train_resources / rollout_resources (num_workers, "
+            "accelerators_per_worker), or add nodes to the cluster."
+        )
+
+
+def _sides(config: TrellisConfig) -> tuple[Side, ...]:
+    return ("train", "rollout") if config.disaggregated else ("colocated",)
+
+
+def _bundle_kind(config: TrellisConfig) -> str:
+    return "GPU" if ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu" else "CPU"
+
+
+def _bundles(config: TrellisConfig, side: Side) -> list[dict[str, float]]:
+    kind = _bundle_kind(config)
+    if side == "colocated":
+        workers = max(config.train_resources.num_workers, config.rollout_resources.num_workers)
+        return [{kind: 1.0}] * workers
+    resources = _resources(config, side)
+    return [{kind: resources.accelerators_per_worker}] * resources.num_workers
 
 
 def remove_side_placements(config: TrellisConfig) -> None:
-    for side in ("train", "rollout"):
+    for side in ("train", "rollout", "colocated"):
         group = _find_group(_group_name(config, side))
         if group is not None:
             remove_placement_group(group)
@@ -91,15 +146,14 @@ def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> Pla
     existing = _find_group(name)
     if existing is not None:
         return existing
-    resources = _resources(config, side)
-    kind = "GPU" if ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu" else "CPU"
-    group = placement_group(
-        [{kind: resources.accelerators_per_worker}] * resources.num_workers, strategy="PACK", name=name, lifetime="detached"
-    )
+    check_fits(config)
+    bundles = _bundles(config, side)
+    group = placement_group(bundles, strategy=config.cluster.placement_strategy, name=name, lifetime="detached")
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)
         raise GpuPlacementError(
-            f"The {side} side of {config.experiment_name} asks for {resources.num_workers} x "
-            f"{resources.accelerators_per_worker} {kind}, which the cluster ({ray.cluster_resources()}) cannot give."
+            f"The {side} side of {config.experiment_name} asks for {len(bundles)} bundles of {bundles[0]} "
+            f"({config.cluster.placement_strategy}), which the cluster ({ray.cluster_resources()}) could not place "
+            f"within {timeout_s:g}s."
         )
     return group

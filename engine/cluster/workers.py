@@ -1,16 +1,22 @@
 """The driver's handle on one run's workers: named Ray actors in the run's namespace, by role.
 
-Every actor is detached, named ``{experiment_name}-{role}`` and created with ``get_if_exists``, so a
+Every actor is detached, named ``{experiment_name}-{role}`` (``-{role}-{k}`` for the k-th trainer rank
+or rollout worker past the first) and created with ``get_if_exists``, so a
 retried or resumed flow run re-attaches to live workers instead of rebuilding them, as long as they
 were built from the same user code, trellis code and worker settings (``engine.run.identity``);
 otherwise they are replaced. Each attach hands the workers the launching shell's credentials.
 Handles are looked up by name on every use: a replaced worker keeps its name but not its handle.
+
+Several trainer ranks form one torch.distributed group: when any rank is lost, all are rebuilt (the
+group cannot take a new member) and the run resumes from its last checkpoint. Rollout workers are
+independent: a lost one is replaced alone and given the trainer's weights.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +33,8 @@ from engine.cluster.actors import (
 from engine.cluster.environment import check_worker_environment, worker_runtime_env
 from engine.cluster.placement import (
     gpu_requests,
+    placement_strategy,
     remove_side_placements,
-    side_placement,
 )
 from engine.cluster.weight_sync import push_weights
 from engine.config import TrellisConfig
@@ -64,15 +70,41 @@ class RunWorkers:
         return Launch(bundle, WorkerFingerprint.of(self.config, bundle), credentials)
 
     def wait(self, refs: Any) -> Any:
-        """``ray.get`` bounded by ``cluster.ray_get_timeout_s``."""
-        return ray.get(refs, timeout=self._timeout_s)
+        """``ray.get`` bounded by ``cluster.ray_get_timeout_s``; for a list, the first failure is raised
+        as soon as it happens (a lost trainer rank must not leave the driver waiting on the others,
+        which wait for it in a collective)."""
+        if not isinstance(refs, list) or len(refs) < 2:
+            return ray.get(refs, timeout=self._timeout_s)
+        deadline = time.monotonic() + self._timeout_s
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls gave no result within {self._timeout_s:g}s.")
+            ray.get(ready)  # raises the call's error
+        return ray.get(refs)
+
+    def count(self, role: Role) -> int:
+        if role == "trainer":
+            return self.config.train_resources.num_workers
+        if role == "rollout":
+            return self.config.rollout_resources.num_workers
+        return 1
+
+    def names(self, role: Role) -> list[str]:
+        base = f"{self.config.experiment_name}-{role}"
+        return [base] + [f"{base}-{index}" for index in range(1, self.count(role))]
 
     def name(self, role: Role) -> str:
-        return f"{self.config.experiment_name}-{role}"
+        return self.names(role)[0]
 
     def actor(self, role: Role) -> ActorHandle:
-        """The live actor of ``role``; ``ValueError`` when there is none."""
+        """The live actor of ``role`` (its first: trainer rank 0); ``ValueError`` when there is none."""
         return ray.get_actor(self.name(role), namespace=self.config.ray_namespace)
+
+    def actors(self, role: Role) -> list[ActorHandle]:
+        """Every live actor of ``role`` (trainer ranks in order); ``ValueError`` when one is missing."""
+        return [ray.get_actor(name, namespace=self.config.ray_namespace) for name in self.names(role)]
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -83,13 +115,16 @@ class RunWorkers:
         try:
             return self._attach()
         except Exception:
-            if self.config.disaggregated and not any(self._alive(role) for role in ROLES):
+            if not any(self._alive(role) for role in ROLES):
                 remove_side_placements(self.config)
             raise
 
     def _alive(self, role: Role) -> bool:
+        return any(self._named_alive(name) for name in self.names(role))
+
+    def _named_alive(self, name: str) -> bool:
         try:
-            self.actor(role)
+            ray.get_actor(name, namespace=self.config.ray_namespace)
             return True
         except ValueError:  # no live actor of that name
             return False
@@ -97,30 +132,53 @@ class RunWorkers:
     def _attach(self) -> WorkerFacts:
         check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
         self._retire_stale_workers()
-        controller = self._get_or_create("controller")
+        controller = self._get_or_create("controller", 0)
         info: ControllerInfo = self.wait(controller.info.remote())
         # The total comes from this run's config: a re-attached run may extend the first one.
         total = resolve_total_steps(self.config, info.dataset_size)
-        trainer = self._get_or_create("trainer", total, info.pad_token_id) if "trainer" in self.roles else None
-        rollout = self._get_or_create("rollout", self.config.tokenizer_source) if "rollout" in self.roles else None
-        applied = served = 0
-        if trainer is not None:
-            applied = self.wait(trainer.applied_step.remote())
-        if rollout is not None:
-            served = self.wait(rollout.policy_version.remote())
-        if trainer is not None and rollout is not None and applied > 0 and served == 0:
+        trainers = self._trainer_group(total, info.pad_token_id) if "trainer" in self.roles else []
+        rollouts = []
+        if "rollout" in self.roles:
+            rollouts = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in range(self.count("rollout"))]
+        applied = self.wait(trainers[0].applied_step.remote()) if trainers else 0
+        served = self.wait([r.policy_version.remote() for r in rollouts]) if rollouts else [0]
+        if trainers and rollouts and applied > 0 and min(served) == 0:
             self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
-        rollout_gpu = self.wait(rollout.gpu_identity.remote()) if rollout is not None else None
-        live = [actor for actor in (controller, trainer, rollout) if actor is not None]
+        rollout_gpu = self.wait(rollouts[0].gpu_identity.remote()) if rollouts else None
+        live = [controller, *trainers, *rollouts]
         self.wait([actor.use_credentials.remote(self.launch.credentials) for actor in live])
         return WorkerFacts(
             dataset_size=info.dataset_size,
             pad_token_id=info.pad_token_id,
             train_report=info.train_report,
             applied_step=applied,
-            holds_state=bool(applied or served or self.wait(controller.has_produced.remote())),
+            holds_state=bool(applied or max(served) or self.wait(controller.has_produced.remote())),
             rollout_on_gpu=rollout_gpu is not None,
         )
+
+    def _trainer_group(self, total_train_steps: int, pad_token_id: int) -> list[ActorHandle]:
+        """The trainer ranks. A group with a rank missing is rebuilt whole: the ranks left wait in
+        collectives for the lost one, and a torch.distributed group takes no new member."""
+        names, world = self.names("trainer"), self.count("trainer")
+        complete = all(self._named_alive(name) for name in names)
+        if not complete:
+            self._kill(names)
+        ranks = [self._get_or_create("trainer", rank, total_train_steps, pad_token_id, rank, world) for rank in range(world)]
+        if world > 1 and not complete:
+            host, port = self.wait(ranks[0].trainer_group_address.remote())
+            self.wait([rank.join_trainer_group.remote(host, port) for rank in ranks])
+        return ranks
+
+    def _kill(self, names: list[str]) -> None:
+        """Kill the named actors and wait until their names are free for new ones."""
+        for name in names:
+            try:
+                ray.kill(ray.get_actor(name, namespace=self.config.ray_namespace), no_restart=True)
+            except ValueError:
+                pass
+        deadline = time.monotonic() + min(60.0, self._timeout_s)
+        while any(self._named_alive(name) for name in names) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def restore(self, start: StartPlan) -> None:
         """Bring the live workers to where ``start`` says the run begins."""
@@ -134,48 +192,58 @@ class RunWorkers:
         waits = [self.actor("controller").load_checkpoint.remote(start.checkpoint, load.load_dataset)]
         if "trainer" in self.roles and start.action != "reattach":  # reattach: the trainer is already there
             options = self.config.storage_options
-            waits.append(self.actor("trainer").load_checkpoint.remote(start.checkpoint, options, load.load_optimizer_states))
+            waits += [t.load_checkpoint.remote(start.checkpoint, options, load.load_optimizer_states) for t in self.actors("trainer")]
         self.wait(waits)
         if "trainer" in self.roles and "rollout" in self.roles:
-            trainer, rollout = self.actor("trainer"), self.actor("rollout")
-            applied, served = self.wait([trainer.applied_step.remote(), rollout.policy_version.remote()])
-            if applied != served:
+            applied = self.wait(self.actor("trainer").applied_step.remote())
+            served = self.wait([r.policy_version.remote() for r in self.actors("rollout")])
+            if any(version != applied for version in served):
                 self._load_trainer_weights()
 
     def release(self) -> None:
-        """Kill the run's actors (those that exist) and give back their placement groups."""
-        for role in ROLES:
-            try:
-                ray.kill(self.actor(role), no_restart=True)
-            except ValueError:
-                pass
-        if self.config.disaggregated:
-            remove_side_placements(self.config)
+        """Kill the run's actors (every rank and worker, also those of an earlier config with more) and
+        give back their placement groups."""
+        prefix = f"{self.config.experiment_name}-"
+        names = [
+            entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == self.config.ray_namespace and entry["name"].startswith(prefix)
+            and entry["name"][len(prefix):].split("-")[0] in ROLES
+        ]
+        self._kill(names)
+        remove_side_placements(self.config)
 
     def rollout_alive(self) -> bool:
-        try:
-            ray.get(self.actor("rollout").pid.remote(), timeout=min(30.0, self._timeout_s))
-            return True
-        except (ValueError, RayActorError, GetTimeoutError):  # ValueError: no live actor of that name
-            return False
+        """Whether every rollout worker answers."""
+        return not self._lost_rollouts()
+
+    def _lost_rollouts(self) -> list[int]:
+        lost = []
+        for index, name in enumerate(self.names("rollout")):
+            try:
+                handle = ray.get_actor(name, namespace=self.config.ray_namespace)
+                ray.get(handle.pid.remote(), timeout=min(30.0, self._timeout_s))
+            except (ValueError, RayActorError, GetTimeoutError):  # ValueError: no live actor of that name
+                lost.append(index)
+        return lost
 
     def replace_lost_rollout(self) -> bool:
-        """A retried task's first suspect: replace a dead rollout worker; returns whether one was."""
-        if "rollout" not in self.roles or self.rollout_alive():
+        """A retried task's first suspect: replace the dead rollout workers; returns whether any was."""
+        if "rollout" not in self.roles:
             return False
-        self.restart_rollout()
-        return True
+        lost = self._lost_rollouts()
+        if lost:
+            self.restart_rollout(lost)
+        return bool(lost)
 
-    def restart_rollout(self) -> ActorHandle:
-        """Replace the rollout worker and give it the trainer's current weights."""
-        try:
-            ray.kill(self.actor("rollout"), no_restart=True)
-        except ValueError:
-            pass  # already gone from the registry
-        rollout = self._get_or_create("rollout", self.config.tokenizer_source)
+    def restart_rollout(self, indices: list[int] | None = None) -> ActorHandle:
+        """Replace rollout workers (all by default) and give them the trainer's current weights;
+        returns the first replaced."""
+        indices = list(range(self.count("rollout"))) if indices is None else indices
+        self._kill([self.names("rollout")[index] for index in indices])
+        replaced = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in indices]
         if "trainer" in self.roles:  # debug_rollout keeps the initial weights
             self._load_trainer_weights()
-        return rollout
+        return replaced[0]
 
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first.
@@ -185,22 +253,22 @@ class RunWorkers:
         giver: Role = "trainer" if role == "rollout" else "rollout"
         if giver in self.roles:  # debug modes run one side only
             try:
-                self.wait(self.actor(giver).offload.remote())
+                self.wait([actor.offload.remote() for actor in self.actors(giver)])
             except (ValueError, RayActorError):
                 if giver != "rollout":
                     raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
-        self.wait(self.actor(role).onload.remote())
+        self.wait([actor.onload.remote() for actor in self.actors(role)])
 
     def sync_weights(self, policy_version: int) -> str:
-        """The trainer's weights into the rollout worker; returns the transport used."""
-        return push_weights(self.config, self.actor("trainer"), self.actor("rollout"), policy_version)
+        """The trainer's weights into every rollout worker; returns the transport used."""
+        return push_weights(self.config, self.actors("trainer"), self.actors("rollout"), policy_version)
 
     def pids(self) -> dict[Role, int]:
-        """The process of each live worker (tests compare them across runs)."""
+        """The process of each live worker (the first of each role; tests compare them across runs)."""
         return {role: self.wait(self.actor(role).pid.remote()) for role in self.roles}
 
     def _load_trainer_weights(self) -> None:
-        """Give a (new) rollout worker the trainer's current weights, versioned by the trainer's step."""
+        """Give (new) rollout workers the trainer's current weights, versioned by the trainer's step."""
         self.sync_weights(self.wait(self.actor("trainer").applied_step.remote()))
 
     def _retire_stale_workers(self) -> None:
@@ -208,7 +276,7 @@ class RunWorkers:
         for role in ROLES:
             try:
                 built = self.wait(self.actor(role).fingerprint.remote())
-            except (ValueError, RayActorError):  # none alive under that name
+            except (ValueError, RayActorError, GetTimeoutError):  # none alive (or answering) under that name
                 continue
             differences = self.launch.fingerprint.differences(built)
             if differences:
@@ -219,16 +287,19 @@ class RunWorkers:
                 self.release()
                 return
 
-    def _get_or_create(self, role: Role, *args: Any) -> ActorHandle:
+    def _get_or_create(self, role: Role, index: int, *args: Any) -> ActorHandle:
+        """The ``index``-th actor of ``role`` (a trainer rank, a rollout worker), created if missing."""
         config, launch = self.config, self.launch
         options: dict[str, Any] = dict(
-            name=self.name(role), namespace=config.ray_namespace, lifetime="detached", get_if_exists=True, max_concurrency=1
+            name=self.names(role)[index], namespace=config.ray_namespace, lifetime="detached", get_if_exists=True,
+            max_concurrency=1,
         )
         gpus = gpu_requests(config, ray.cluster_resources().get("GPU", 0.0)).get(role)
         if gpus:
             options["num_gpus"] = gpus
-        if config.disaggregated:
-            options["scheduling_strategy"] = side_placement(config, role, self._timeout_s)
+        strategy = placement_strategy(config, role, index, self._timeout_s)
+        if strategy is not None:
+            options["scheduling_strategy"] = strategy
         runtime_env = worker_runtime_env(config, launch.bundle, role)
         if runtime_env:
             options["runtime_env"] = runtime_env

@@ -30,6 +30,11 @@ class ClusterConfig(Frozen):
         "workers split one GPU (colocated, weights synced through CUDA IPC).",
     )
     torch_threads: int | None = Field(None, gt=0, description="torch threads per worker; default: all cores.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray places the bundles of a placement group (one per trainer rank or rollout worker): "
+        "PACK fills one node first; SPREAD puts them on as many nodes as it can.",
+    )
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",
         description="How weights reach a rollout worker that is not on the trainer's GPU. auto: an NCCL broadcast "

@@ -1,8 +1,9 @@
-"""Trainer weights to a rollout worker on another device, one torch.distributed broadcast per bucket:
-NCCL between two GPUs (another card or another node), gloo where either side runs on CPU.
+"""Trainer weights to the rollout workers on other devices, one torch.distributed broadcast per
+bucket: NCCL between GPUs (other cards or other nodes), gloo where a side runs on CPU.
 
-The two workers form a two-rank process group of their own (rank 0, the trainer, hosts its TCP
-store) rather than joining the default group, which vLLM and FSDP own in their processes. Before
+The trainer's rank 0 and the M rollout workers form a group of their own (rank 0, the trainer, hosts
+its TCP store; the workers are ranks 1..M) rather than joining the default group, which vLLM and
+FSDP own in their processes. Before
 each broadcast the rollout worker learns the bucket layouts (names, shapes, offsets) and allocates
 the buffers; only the layouts travel through Ray, the weights go straight from device to device.
 """
@@ -20,37 +21,39 @@ import torch.distributed as dist
 from engine.compat import close_group, nccl_group
 from engine.weights.buckets import Bucket, BucketLayout
 
-SENDER, RECEIVER = 0, 1
+SENDER, RECEIVER = 0, 1  # receivers are ranks 1 .. size - 1
 
 
 @dataclass(frozen=True)
 class GroupAddress:
     host: str
     port: int
-    key: str  # names one pairing of a trainer and a rollout process; a restarted worker makes a new one
+    key: str  # names one set of trainer and rollout processes; a restarted worker makes a new one
     nccl: bool
+    size: int = 2  # the sender and the receivers
 
 
-def free_address(host: str, key: str, *, nccl: bool) -> GroupAddress:
+def free_address(host: str, key: str, *, nccl: bool, size: int = 2) -> GroupAddress:
     with socket.socket() as probe:
         probe.bind((host, 0))
         port = probe.getsockname()[1]
-    return GroupAddress(host, port, key, nccl)
+    return GroupAddress(host, port, key, nccl, size)
 
 
 class WeightGroup:
-    """This process's end of a two-rank group; building it waits until the other end builds its own."""
+    """This process's place in a weight group; building it waits until every member builds its own."""
 
     def __init__(self, address: GroupAddress, rank: int, timeout_s: float) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.address = address
-        store = dist.TCPStore(address.host, address.port, 2, is_master=rank == SENDER, timeout=timeout)
+        size = address.size
+        store = dist.TCPStore(address.host, address.port, size, is_master=rank == SENDER, timeout=timeout)
         self._store = dist.PrefixStore(address.key, store)
         if address.nccl:
-            self._group = nccl_group(self._store, rank, 2, timeout)
+            self._group = nccl_group(self._store, rank, size, timeout)
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
-            self._group = dist.ProcessGroupGloo(self._store, rank, 2, timeout)
+            self._group = dist.ProcessGroupGloo(self._store, rank, size, timeout)
             self.device = torch.device("cpu")
 
     def send(self, buckets: list[Bucket]) -> None:
