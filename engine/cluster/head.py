@@ -172,3 +172,55 @@ def connect(config: ClusterConfig) -> str:
         use_private_ray_head(str(auth_token_file(config)))
     ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     return address
+
+
+# `ray start` for a node that joins a private head from the same machine. With
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (what keeps every loopback address loopback) `ray start`
+# refuses any non-head node; with it on, it turns 127.0.0.1 (the head's address and the node's own)
+# into the machine's network address, where the private head does not listen. So the CLI runs with
+# the setting off, as every process of the head does, and only its own refusal is lifted: the
+# scripts module alone sees ENABLE_RAY_CLUSTER on; the address resolution (ray._private.services)
+# and the node's processes, which inherit the environment, keep loopback.
+_JOIN_ON_LOOPBACK = """\
+import sys, types
+from ray._private import ray_constants
+from ray.scripts import scripts
+
+class _Constants(types.ModuleType):
+    def __getattr__(self, name):
+        return getattr(ray_constants, name)
+
+constants = _Constants(ray_constants.__name__)
+constants.ENABLE_RAY_CLUSTER = True
+scripts.ray_constants = constants
+sys.argv[0] = "ray"
+scripts.main()
+"""
+
+
+def worker_node_command(
+    config: ClusterConfig, head_address: str, *, num_cpus: int, resources: dict[str, float] | None = None,
+    object_store_memory: int | None = None,
+) -> list[str]:
+    """`ray start --address=... --block` for a second node of the private head at ``head_address``,
+    on this machine: run it with ``head_environment(config)`` (the head's token), in a session of its
+    own; SIGTERM to that process stops exactly this node.
+
+    Its ports are all picked by the system, so that they do not collide with the head's: node
+    manager, object manager, metrics and runtime-env agent already default to that; the dashboard
+    agent's HTTP port (52365) and the workers' range (10002-19999) are fixed by default and are
+    set to 0 here, as ``ray.cluster_utils.Cluster`` does for its nodes. The node shares the head's
+    temp dir and session (its sockets and logs get their own names there), so it starts no log
+    monitor of its own: the head's already forwards that session's logs."""
+    if not is_loopback(head_address) or head_address.startswith("ray://"):
+        raise ClusterError(f"A node on this machine joins a private head on loopback, not {head_address}.")
+    command = [
+        sys.executable, "-c", _JOIN_ON_LOOPBACK, "start", f"--address={head_address}", "--node-ip-address=127.0.0.1",
+        f"--num-cpus={num_cpus}", "--min-worker-port=0", "--max-worker-port=0", "--dashboard-agent-listen-port=0",
+        "--include-log-monitor=false", "--disable-usage-stats",
+    ]
+    if resources:
+        command.append(f"--resources={json.dumps(resources)}")
+    if object_store_memory is not None:
+        command.append(f"--object-store-memory={object_store_memory}")
+    return [*command, "--block"]
