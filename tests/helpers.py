@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -50,3 +51,15 @@ def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
     for row in rows:
         row.pop("run")
     return sorted(rows, key=lambda r: r["rollout_id"])
+
+
+def flow_runs(name: str) -> list:
+    """The Prefect flow runs called ``name`` (e.g. ``rl_run[experiment]``) on the current API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
+
+    return asyncio.run(read())

@@ -16,12 +16,12 @@ import pytest
 import ray
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
+from prefect.client.schemas.filters import TaskRunFilter
 
 from engine.cluster.workers import RunWorkers
 from engine.storage.checkpoints import SaveStore
 from flows.rl_train import rl_train
-from helpers import lake_rows, logged_metrics, tiny_config
+from helpers import flow_runs, lake_rows, logged_metrics, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -77,7 +77,7 @@ def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajecto
     assert logged_metrics(config) == logged_metrics(uninterrupted)
     assert lake_rows(config) == lake_rows(uninterrupted)
     assert lake_rows(config, "eval") == lake_rows(uninterrupted, "eval")
-    (run,) = _flow_runs("rl_run[killed]")  # the killed run lived on the temporary server that died with it
+    (run,) = flow_runs("rl_run[killed]")  # the killed run lived on the temporary server that died with it
     restored = [r for r in _task_runs("restore_checkpoint") if r.flow_run_id == run.id]
     assert [r.state_name for r in restored] == ["Completed"]
 
@@ -98,20 +98,12 @@ def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
     rl_train(config)
 
     assert not kill_file.exists()
-    (run,) = _flow_runs("rl_run[trainer_killed]")
+    (run,) = flow_runs("rl_run[trainer_killed]")
     assert run.run_count == 2 and run.state_name == "Completed"
     rows = lake_rows(config)
     assert len(rows) == STEPS * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     assert rows == lake_rows(uninterrupted)
     assert logged_metrics(config) == logged_metrics(uninterrupted)
-
-
-def _flow_runs(name: str) -> list:
-    async def read():
-        async with get_client() as client:
-            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
-
-    return asyncio.run(read())
 
 
 def _task_runs(name: str) -> list:
@@ -133,7 +125,7 @@ def test_a_refused_fresh_start_stays_refused_on_the_flow_retry(tiny_model, rever
     before = (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text()
     with pytest.raises(RunExistsError):
         rl_train(config.model_copy(update={"total_train_steps": 3}))
-    runs = sorted(_flow_runs("rl_run[refused]"), key=lambda r: r.expected_start_time)
+    runs = sorted(flow_runs("rl_run[refused]"), key=lambda r: r.expected_start_time)
     assert [(r.run_count, r.state_name) for r in runs] == [(1, "Completed"), (2, "Failed")]
     assert (tmp_path / "refused" / "logs" / "metrics.jsonl").read_text() == before  # step 3 never ran
     RunWorkers(config).release()

@@ -1,88 +1,54 @@
-"""Two nodes of one private cluster on this machine: a placement group spreads actors over both, and
-they form a torch.distributed (gloo) group across the nodes, as trellis's trainer ranks do."""
+"""Two nodes of one private cluster on this machine: trellis's flow runs with its trainer ranks spread
+over both nodes (one gloo group across them), and asks for more than the cluster has are refused
+before any worker starts."""
 
 from __future__ import annotations
-
-import socket
-import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from engine.cluster.placement import GpuPlacementError
+from engine.cluster.workers import RunWorkers
+from flows.rl_train import rl_train
+from helpers import logged_metrics, tiny_config
 from two_nodes import alive_nodes, second_node
 
-NAMESPACE = "trellis-test-two-nodes"
 
-
-@ray.remote(num_cpus=0)
-class Member:
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def group_address(self) -> tuple[str, int]:
-        """Where the group meets: this (rank 0's) node, on a free port."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            return host, probe.getsockname()[1]
-
-    def all_reduce(self, host: str, port: int, rank: int, world_size: int, value: float) -> float:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=30),
-        )
-        try:
-            tensor = torch.tensor([value], dtype=torch.float64)
-            dist.all_reduce(tensor)
-            return float(tensor.item())
-        finally:
-            dist.destroy_process_group()
-
-
-def test_actors_spread_over_two_nodes_form_a_gloo_group(ray_cluster, tmp_path):
+def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """Disaggregated, 2 trainer ranks placed STRICT_SPREAD: rank 0 on one node, rank 1 on the other;
+    the run's three steps train, sync weights and checkpoint across the nodes."""
     head_id = ray.get_runtime_context().get_node_id()
-    assert [n["NodeID"] for n in alive_nodes()] == [head_id]
-
-    started = time.monotonic()
     with second_node(ray_cluster, tmp_path) as node2:
-        up_s = time.monotonic() - started
-        assert node2 != head_id and len(alive_nodes()) == 2
         assert {n["NodeManagerAddress"] for n in alive_nodes()} == {"127.0.0.1"}  # loopback only
-
-        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
-        members = []
+        config = tiny_config(
+            tiny_model, reverse_data, tmp_path, experiment_name="two-nodes", trainer="disaggregated", total_train_steps=3,
+            checkpoint_interval=3, enable_evaluate=False, enable_initial_evaluate=False,
+            train_resources={"num_workers": 2}, replay_buffer={"max_staleness": 1},
+            cluster={"address": ray_cluster["address"], "placement_strategy": "STRICT_SPREAD", "release_workers_at_end": False},
+        )
+        workers = RunWorkers(config)
         try:
-            ray.get(group.ready(), timeout=60)
-            members = [
-                Member.options(
-                    name=f"member-{rank}", namespace=NAMESPACE, lifetime="detached",
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-                ).remote()
-                for rank in range(2)
-            ]
-            nodes = ray.get([m.node_id.remote() for m in members], timeout=60)
-            assert set(nodes) == {head_id, node2}, nodes
-            bundle_nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
-            assert nodes == [bundle_nodes[0], bundle_nodes[1]]
-
-            host, port = ray.get(members[0].group_address.remote(), timeout=30)
-            sums = ray.get([m.all_reduce.remote(host, port, rank, 2, rank + 1.0) for rank, m in enumerate(members)], timeout=60)
-            assert sums == [3.0, 3.0]
+            rl_train(config)
+            ranks = workers.actors("trainer")
+            assert set(ray.get([rank.node_id.remote() for rank in ranks], timeout=60)) == {head_id, node2}
+            assert ray.get(ranks[0].applied_step.remote(), timeout=60) == 3
         finally:
-            for member in members:
-                ray.kill(member)
-            remove_placement_group(group)
-        stopping = time.monotonic()
+            workers.release()  # before the node goes: its placement group would be rescheduled
+    metrics = logged_metrics(config)
+    assert sorted(metrics) == [1, 2, 3] and all(m["train/grad_norm"] > 0 for m in metrics.values())
 
-    down_s = time.monotonic() - stopping
-    assert [n["NodeID"] for n in alive_nodes()] == [head_id]
-    assert node2 in {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
-    print(f"second node: up in {up_s:.1f} s, gone in {down_s:.1f} s")
+
+def test_more_workers_than_the_cluster_has_are_refused_before_any_starts(tiny_model, reverse_data, tmp_path, ray_cluster):
+    """Tried: 2 trainer ranks of 2 CPUs each and a rollout worker on a 2-CPU cluster. The error names
+    what was asked and what the cluster has, at once (no placement group left pending), and no worker
+    of the run is alive afterwards."""
+    config = tiny_config(
+        tiny_model, reverse_data, tmp_path, experiment_name="too-big", trainer="disaggregated",
+        train_resources={"num_workers": 2, "accelerators_per_worker": 2}, cluster={"address": ray_cluster["address"]},
+    )
+    with pytest.raises(GpuPlacementError, match=r"asks for 5 CPU \(train: 2 x 2 CPU, rollout: 1 x 1 CPU\), but the Ray cluster has 2"):
+        RunWorkers(config).attach()
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == config.ray_namespace]
+    assert named == []
+    assert all(g.get("name", "").find("too-big") < 0 or g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

@@ -60,6 +60,9 @@ class BuiltFrom:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 @ray.remote(num_cpus=0)
 class TrainerActor(BuiltFrom):

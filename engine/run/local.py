@@ -71,6 +71,11 @@ class LocalRun:
     """
 
     def __init__(self, config: TrellisConfig, *, track: bool = True, resume: bool = False) -> None:
+        if config.train_resources.num_workers > 1 or config.rollout_resources.num_workers > 1:
+            raise ValueError(
+                "The in-process runner holds one trainer and one rollout worker; several trainer ranks or rollout "
+                "workers run as Ray actors: launch the run without --in-process."
+            )
         check_inputs(config)
         set_up_process(config)
         self.config = config
