@@ -4,7 +4,8 @@ response lengths that have a long tail.
 Same model (random-init Qwen2-0.5B shape, bf16 rollout on vLLM), same prompts, same steps, both as
 Prefect flows on a local Ray cluster that trellis starts:
 
-- ``colocated``: trainer and rollout share one GPU (the only colocated layout there is so far);
+- ``colocated``: trainer and rollout share one GPU; with ``--workers N``, N GPUs each hold a trainer rank
+  (one FSDP2 group over NCCL) and a rollout worker, and the batch grows N-fold (same batch per GPU);
 - ``disaggregated``: 1 trainer GPU + 1 rollout GPU, ``max_staleness`` 1, partial rollout on; weights
   go trainer -> rollout over NCCL.
 
@@ -17,7 +18,10 @@ GPU held, step time, the weight-sync pause, each GPU's idle fraction (NVML utili
 (from the trajectory lake).
 
     python bench/gpu/async_vs_colocated.py OUT_DIR --mode colocated|disaggregated [--steps 6] [--warmup 2]
-        [--prompts 32] [--share-one-gpu] [--smoke]
+        [--prompts 32] [--share-one-gpu] [--workers N] [--shape 0.5b|1.5b] [--smoke]
+
+Scaling over GPUs: ``--mode colocated --workers 2`` against ``--workers 1`` (``--sigma 0`` gives every
+response the same length, so both see the same work per GPU).
 
 Mind the warm-up: the producer hands over groups in the order they end, so the first batches of an
 asynchronous run hold the short responses and the long ones arrive steps later. Compare the trained
@@ -124,9 +128,9 @@ def run_config(work: Path, args: argparse.Namespace):
     if smoke:
         model = build_tiny_checkpoint(work / "tiny-model")
     else:
-        model = work / "qwen2-05b-random-16k"
+        model = work / f"qwen2-{args.shape}-random-16k"
         if not (model / "config.json").exists():
-            random_qwen2_05b(build_tokenizer(), model, max_positions=args.max_len + 512)
+            random_qwen2_05b(build_tokenizer(), model, max_positions=args.max_len + 512, shape=args.shape)
     data = write_long_tail_dataset(work / f"long_tail_{args.max_len}.parquet", 4096, args)
     vllm_site = os.environ.get("TRELLIS_VLLM_SITE")
     disaggregated = args.mode == "disaggregated"
@@ -136,7 +140,7 @@ def run_config(work: Path, args: argparse.Namespace):
         work_dir=str(work / "runs"),
         experiment_name=f"{args.mode}-{int(time.time())}",
         total_train_steps=args.steps,
-        train_batch_size=args.prompts,
+        train_batch_size=args.prompts * args.workers,
         prompt_repeat_k=args.group,
         checkpoint_interval=-1,
         hf_interval=-1,
@@ -145,7 +149,7 @@ def run_config(work: Path, args: argparse.Namespace):
         rollout={
             "backend": "transformers" if smoke else "vllm",
             "max_new_tokens": args.max_len,
-            "gpu_memory_utilization": 0.85 if disaggregated and not args.share_one_gpu else 0.4,
+            "gpu_memory_utilization": (0.85 if disaggregated and not args.share_one_gpu else 0.4) / args.rollout_workers,
             "runtime_env": {"env_vars": {"PYTHONPATH": f"{vllm_site}:${{PYTHONPATH}}"}} if vllm_site else None,
         },
         train_worker={"pack_max_length": 2 * args.max_len if not smoke else 512},
@@ -156,9 +160,34 @@ def run_config(work: Path, args: argparse.Namespace):
             trainer="disaggregated",
             replay_buffer={"kind": "async", "max_staleness": 1, "enable_partial_rollout": True},
             train_resources={"accelerators_per_worker": 0.5 if args.share_one_gpu else 1},
-            rollout_resources={"accelerators_per_worker": 0.5 if args.share_one_gpu else 1},
+            rollout_resources={
+                "num_workers": args.rollout_workers,
+                "accelerators_per_worker": (0.5 if args.share_one_gpu else 1) / args.rollout_workers,
+            },
         )
+    else:
+        settings.update(train_resources={"num_workers": args.workers}, rollout_resources={"num_workers": args.workers})
     return load_config(None, **settings)
+
+
+def weight_bytes(config) -> int:
+    """Bytes of the weights one sync sends: bf16 to vLLM, float32 to a CPU rollout."""
+    from safetensors import safe_open
+
+    per_element = 4 if config.rollout.backend == "transformers" else 2
+    total = 0
+    for shard in Path(config.load_from).glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as handle:
+            for name in handle.keys():
+                total += _numel(handle.get_slice(name).get_shape())
+    return total * per_element
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, args: argparse.Namespace) -> dict:
@@ -166,16 +195,20 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
     window_start, window_end = gpus.reached(args.warmup), gpus.reached(max(records))
     wall = window_end - window_start
     tokens = sum(r["response/training_tokens"] for r in steady)
-    held_gpus = 2 if args.mode == "disaggregated" and not args.share_one_gpu else 1
+    held_gpus = 2 if args.mode == "disaggregated" and not args.share_one_gpu else args.workers
     last = records[max(records)]
     timings = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in steady[-1] if k.startswith(("time/", "timing/"))}
     return {
         "mode": args.mode + (" (both sides on one GPU)" if args.share_one_gpu and args.mode == "disaggregated" else ""),
         "gpus_held": held_gpus,
+        "model_shape": args.shape,
+        "rollout_workers": args.workers if args.mode == "colocated" else args.rollout_workers,
+        "train_peak_gib_per_rank": max((r.get("memory/train_peak_gib", 0.0) for r in steady), default=None),
+        "weight_bytes": weight_bytes(config),
         "steps": args.steps,
         "warmup_steps": args.warmup,
         "measured_steps": len(steady),
-        "samples_per_step": args.prompts * args.group,
+        "samples_per_step": args.prompts * args.workers * args.group,
         "response_len_mean": statistics.mean(r["response/response_len/mean"] for r in steady),
         "response_len_max": max(r["response/response_len/max"] for r in steady),
         "step_s_median": statistics.median(r["time/step"] for r in steady),
@@ -186,6 +219,7 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "run_wall_s": time.time() - started,
         "timings_median_s": timings,
         "weight_sync_s_median": timings.get("time/sync_weights", 0.0),
+        "weight_sync_bytes_per_s": weight_bytes(config) / max(timings.get("time/sync_weights", 0.0), 1e-9),
         # the producer stands still from the start of its pause to its continue (no save or eval here)
         "producer_paused_s_median": sum(timings.get(f"time/{p}", 0.0) for p in ("pause_produce", "sync_weights", "continue_produce"))
         if args.mode == "disaggregated" else None,
@@ -209,6 +243,9 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend")
     parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
+    parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
+    parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")
+    parser.add_argument("--rollout-workers", type=int, default=1, help="disaggregated: vLLM engines sharing the rollout GPU(s)")
     args = parser.parse_args()
     if args.smoke:
         args.mean_len, args.max_len = min(args.mean_len, 8), min(args.max_len, 24)
@@ -227,7 +264,9 @@ def main() -> None:
         gpus.close()
         stop_head(config.cluster)
     print(json.dumps(summary, indent=1), flush=True)
-    (args.out / f"async_vs_colocated_{args.mode}{'_one_gpu' if args.share_one_gpu else ''}.json").write_text(json.dumps(summary, indent=1))
+    suffix = ("_one_gpu" if args.share_one_gpu else "") + (f"_{args.workers}_workers" if args.workers > 1 else "")
+    suffix += f"_{args.rollout_workers}_engines" if args.rollout_workers > 1 else ""
+    (args.out / f"async_vs_colocated_{args.mode}{suffix}_{args.shape}.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,11 +27,17 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
-def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096) -> Path:
+QWEN2_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+}
+
+
+def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096, shape: str = "0.5b") -> Path:
+    """A randomly initialised Qwen2 of the 0.5B (or another of ``QWEN2_SHAPES``) shape, saved in bf16."""
     config = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=151936, **QWEN2_SHAPES[shape], max_position_embeddings=max_positions, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)

@@ -48,8 +48,8 @@ def sum_over_ranks(values: Sequence[float]) -> list[float]:
     return _reduce(values, dist.ReduceOp.SUM)
 
 
-def max_over_ranks(values: Sequence[int]) -> list[int]:
-    return [int(v) for v in _reduce(values, dist.ReduceOp.MAX)]
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    return _reduce(values, dist.ReduceOp.MAX)
 
 
 def _reduce(values: Sequence[float], op) -> list[float]:

@@ -149,7 +149,7 @@ class TrainingWorker:
         real_counts = [len(micro) for micro in micro_per_mini]
         for seqs, micro, count in zip(mini_batches, micro_per_mini, fsdp.max_over_ranks(real_counts)):
             filler = micro[0] if micro else self._micro_batches(seqs[:1])[0]
-            micro.extend([filler] * (count - len(micro)))
+            micro.extend([filler] * (int(count) - len(micro)))
         # Old and reference logprobs are taken for the whole batch before the first update.
         old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
         ref = None
@@ -159,6 +159,10 @@ class TrainingWorker:
             metrics = self._update(micro, real_counts[index], old[index] if old else None, ref[index] if ref else None)
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
+        if self._device.type == "cuda":  # the rank that needed most; it sets how large a model fits
+            peak = torch.cuda.max_memory_allocated(self._device) / 2**30
+            result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
+            torch.cuda.reset_peak_memory_stats(self._device)
         self.applied_step = step
         return result
 
