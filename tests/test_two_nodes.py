@@ -16,23 +16,26 @@ from two_nodes import alive_nodes, second_node
 
 
 def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
-    """Disaggregated, 2 trainer ranks placed STRICT_SPREAD: rank 0 on one node, rank 1 on the other;
-    the run's three steps train, sync weights and checkpoint across the nodes."""
+    """Disaggregated, 2 trainer ranks and 2 rollout workers, each side placed STRICT_SPREAD: one rank
+    and one rollout worker on each node; the run's three steps train, sync weights to both workers
+    and checkpoint across the nodes."""
     head_id = ray.get_runtime_context().get_node_id()
-    with second_node(ray_cluster, tmp_path) as node2:
+    with second_node(ray_cluster, tmp_path, num_cpus=2) as node2:
         assert {n["NodeManagerAddress"] for n in alive_nodes()} == {"127.0.0.1"}  # loopback only
         config = tiny_config(
             tiny_model, reverse_data, tmp_path, experiment_name="two-nodes", trainer="disaggregated", total_train_steps=3,
             checkpoint_interval=3, enable_evaluate=False, enable_initial_evaluate=False,
-            train_resources={"num_workers": 2}, replay_buffer={"max_staleness": 1},
+            train_resources={"num_workers": 2}, rollout_resources={"num_workers": 2}, replay_buffer={"max_staleness": 1},
             cluster={"address": ray_cluster["address"], "placement_strategy": "STRICT_SPREAD", "release_workers_at_end": False},
         )
         workers = RunWorkers(config)
         try:
             rl_train(config)
-            ranks = workers.actors("trainer")
+            ranks, rollouts = workers.actors("trainer"), workers.actors("rollout")
             assert set(ray.get([rank.node_id.remote() for rank in ranks], timeout=60)) == {head_id, node2}
+            assert set(ray.get([rollout.node_id.remote() for rollout in rollouts], timeout=60)) == {head_id, node2}
             assert ray.get(ranks[0].applied_step.remote(), timeout=60) == 3
+            assert ray.get([rollout.policy_version.remote() for rollout in rollouts], timeout=60) == [3, 3]
         finally:
             workers.release()  # before the node goes: its placement group would be rescheduled
     metrics = logged_metrics(config)
