@@ -131,11 +131,14 @@ def test_replay_buffer_settings_belong_to_the_disaggregated_trainer():
 
 def test_several_workers_per_side_are_checked_before_anything_starts():
     """Tried as a new user would: more trainer ranks than a mini-batch has samples, CUDA graphs on
-    several ranks, unequal sides colocated on GPUs, and a GPU share per worker on a colocated run."""
+    several ranks, unequal sides colocated on GPUs, a GPU share per worker on a colocated run, and an
+    HSDP shard size that does not divide the ranks."""
     check("train_resources.num_workers=9 exceeds the 8 samples of a mini-batch", train_batch_size=2, prompt_repeat_k=4,
           train_resources={"num_workers": 9})
     check("must be equal", train_resources={"num_workers": 2}, rollout={"backend": "vllm"})
     check("a colocated worker shares one GPU", rollout_resources={"accelerators_per_worker": 2})
+    check("hsdp_shard_size=2 must divide train_resources.num_workers=3", train_resources={"num_workers": 3},
+          train_worker={"hsdp_shard_size": 2})
     config = load_config(None, **{**BASE, "train_batch_size": 2, "prompt_repeat_k": 4},
                          train_resources={"num_workers": 3}, rollout_resources={"num_workers": 2})
     assert (config.train_resources.num_workers, config.rollout_resources.num_workers) == (3, 2)  # CPU: any split

@@ -41,33 +41,38 @@ def rollout_batch(tiny_model, reverse_data, tmp_path_factory):
     return prepare_train_data(produced.groups, config.advantage, shuffle=True, seed=0), tokenizer.pad_token_id
 
 
-def test_two_trainer_ranks_make_the_update_of_one_and_resume_at_one(tiny_model, reverse_data, tmp_path, ray_cluster, rollout_batch):
-    """Two mini-batches (so old logprobs and clipping are live) with a KL reference: 2 gloo ranks give
-    one rank's loss, grad norm and weights to within 1e-5 (relative for the grad norm, which is
-    ~300 here, so float32 rounding alone is ~1e-4 absolute). Their checkpoint (per-rank shards) resumes
-    in one plain worker, whose next step again matches the two ranks'. Both rollout workers get the
-    trainer's weights."""
+@pytest.mark.parametrize("world, shard_size", [(2, None), (4, 2)], ids=["fsdp-2", "hsdp-2x2"])
+def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
+    tiny_model, reverse_data, tmp_path, ray_cluster, rollout_batch, world, shard_size
+):
+    """Two mini-batches (so old logprobs and clipping are live) with a KL reference: 2 gloo ranks (or 4
+    as HSDP, two copies each sharded over 2 ranks) give one rank's loss, grad norm and weights to
+    within 1e-5 (relative for the grad norm, which is ~300 here, so float32 rounding alone is ~1e-4
+    absolute). Their checkpoint (per-rank shards) resumes in one plain worker, whose next step again
+    matches the ranks'. Both rollout workers get the trainer's weights."""
     batch, pad_id = rollout_batch
-    changes = dict(train_worker={"optimizer_steps": 2}, loss={"kl_coef": 0.1}, experiment_name="two-ranks",
+    changes = dict(loss={"kl_coef": 0.1}, experiment_name=f"ranks-{world}",
                    cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 120})
-    config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2},
+    config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": world},
+                         train_worker={"optimizer_steps": 2, "hsdp_shard_size": shard_size},
                          rollout_resources={"num_workers": 2}, **changes)
-    one_rank = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path, **changes), total_train_steps=4, pad_token_id=pad_id)
+    one_rank = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path, train_worker={"optimizer_steps": 2}, **changes),
+                              total_train_steps=4, pad_token_id=pad_id)
     workers = RunWorkers(config)
     workers.attach()
     try:
         ranks = workers.actors("trainer")
-        assert len(ranks) == 2 and len(workers.actors("rollout")) == 2
+        assert len(ranks) == len(set(workers.wait([rank.pid.remote() for rank in ranks]))) == world
         batch_ref = ray.put(batch)
         for step in (1, 2):
-            if step == 2:  # resume the one-rank worker from the two ranks' checkpoint of step 1
+            if step == 2:  # resume the one-rank worker from the ranks' checkpoint of step 1
                 uri = str(tmp_path / "ckpt")
                 workers.wait([rank.save_checkpoint.remote(uri, {}, True) for rank in ranks])
                 one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
                 assert one_rank.load_checkpoint(uri, {}) == 1
             sharded = workers.wait([rank.fit.remote(batch_ref, step) for rank in ranks])
             single = one_rank.fit(batch, step)
-            assert sharded[0].metrics == sharded[1].metrics  # every rank reports the whole step
+            assert all(result.metrics == sharded[0].metrics for result in sharded)  # every rank reports the whole step
             for name in COMPARED:
                 assert sharded[0].metrics[name] == pytest.approx(single.metrics[name], rel=1e-5, abs=1e-5), (step, name)
             weights = workers.wait([rank.export_weights.remote() for rank in ranks])[0]

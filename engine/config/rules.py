@@ -121,6 +121,12 @@ def resource_problems(config: TrellisConfig) -> list[str]:
             f"train_resources.num_workers={ranks} exceeds the {per_mini_batch} samples of a mini-batch "
             "(train_batch_size x prompt_repeat_k / train_worker.optimizer_steps): every trainer rank needs one."
         )
+    shard_size = config.train_worker.hsdp_shard_size
+    if shard_size is not None and ranks % shard_size:
+        problems.append(
+            f"train_worker.hsdp_shard_size={shard_size} must divide train_resources.num_workers={ranks} (each copy of "
+            "the model is sharded over that many ranks)."
+        )
     if ranks > 1 and config.train_worker.cuda_graphs:
         problems.append("train_worker.cuda_graphs runs on one trainer rank; several ranks shard the model with FSDP.")
     if not config.disaggregated and ranks != engines and (config.rollout.backend == "vllm" or config.train_worker.device == "cuda"):

@@ -124,7 +124,14 @@ class TrainWorkerConfig(Frozen):
         False,
         description="Wrap the policy with FSDP2 (fully_shard): fp32 master weights and AdamW states, bf16 compute "
         "from a mixed-precision policy, shards over the trainer's GPUs. Off: one GPU under bf16 autocast, which "
-        "measured 1.6x faster than FSDP2 at world size 1 on an H200 (bench/gpu/train_mfu.py).",
+        "measured 1.6x faster than FSDP2 at world size 1 on an H200 (bench/gpu/train_mfu.py). Several trainer "
+        "ranks (train_resources.num_workers) always shard.",
+    )
+    hsdp_shard_size: int | None = Field(
+        None,
+        gt=0,
+        description="Trainer ranks that shard one copy of the model (HSDP: num_workers / hsdp_shard_size copies, "
+        "e.g. the GPUs of one node, gradients all-reduced between copies). Default: all ranks shard one copy.",
     )
     compile: bool = Field(
         False,

@@ -75,10 +75,18 @@ def ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def shard(root: torch.nn.Module, layers: torch.nn.ModuleList, device: torch.device, compute_dtype: torch.dtype | None) -> None:
-    """``fully_shard`` each layer, then ``root`` (embeddings, final norm and output layer)."""
+def shard(
+    root: torch.nn.Module, layers: torch.nn.ModuleList, device: torch.device, compute_dtype: torch.dtype | None,
+    shard_size: int | None = None,
+) -> None:
+    """``fully_shard`` each layer, then ``root`` (embeddings, final norm and output layer): over all
+    ranks, or, with ``shard_size``, over groups of that many ranks, each group holding a copy (HSDP)."""
     ensure_process_group(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if shard_size is None or shard_size >= world:
+        mesh = init_device_mesh(device.type, (world,))
+    else:
+        mesh = init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
     # Inputs are micro-batch layouts whose float tensors (advantages, rollout logprobs) must stay
     # float32; the embedding's bf16 output already carries the compute dtype into the layers.
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)

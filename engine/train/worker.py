@@ -106,7 +106,10 @@ class TrainingWorker:
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
         self.policy = self._policy(self.model)
         if self._fsdp:
-            fsdp.shard(self.policy, self.model.get_decoder().layers, self._device, torch.bfloat16 if bf16 else None)
+            fsdp.shard(
+                self.policy, self.model.get_decoder().layers, self._device, torch.bfloat16 if bf16 else None,
+                shard_size=worker.hsdp_shard_size,
+            )
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
