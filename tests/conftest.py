@@ -81,7 +81,9 @@ def prefect_api():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    # Its default 30 s for the server to come up was seen exceeded on 2 busy cores (a fresh venv compiles
+    # Prefect's server modules on its first start), failing every module that shares the server.
+    with prefect_test_harness(server_startup_timeout=180), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
 

@@ -19,6 +19,7 @@ from engine.cluster.head import stop_head
 from engine.config.loading import load_config
 from flows.rl_train import rl_train
 from vllm_learning import tiny_task  # beside this script
+from process_exit import exit_now  # beside this script
 
 
 def main() -> None:
@@ -81,4 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    os._exit(0)  # vLLM's engine threads would hold the process open
+    exit_now()

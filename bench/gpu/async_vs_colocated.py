@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_steps import random_qwen2_05b  # noqa: E402
+from process_exit import exit_now  # noqa: E402
 
 from engine.cluster.head import stop_head  # noqa: E402
 from engine.config.loading import load_config  # noqa: E402
@@ -271,4 +272,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    os._exit(0)  # vLLM's engine threads would hold the process open
+    exit_now()

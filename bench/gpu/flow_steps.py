@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trel
 import ray  # noqa: E402
 import torch  # noqa: E402
 from engine_steps import add_step_arguments, result_path, step_argv, step_config  # noqa: E402
+from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
 from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
@@ -147,4 +148,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    os._exit(0)  # vLLM's engine threads would hold the process open
+    exit_now()
