@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import fsspec
 import pyarrow.parquet as pq
@@ -63,3 +69,29 @@ def flow_runs(name: str) -> list:
             return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [name]}))
 
     return asyncio.run(read())
+
+
+@contextmanager
+def moto_s3_server() -> Iterator[str]:
+    """moto's S3-compatible server on a free loopback port, up and answering; yields its endpoint URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    try:
+        while True:
+            try:
+                fsspec.filesystem("s3", key="k", secret="s", endpoint_url=endpoint).ls("")
+                break
+            except Exception:
+                assert time.time() < deadline and server.poll() is None, "moto_server did not come up"
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import fsspec
@@ -19,32 +16,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.storage.checkpoints import SaveStore
 from flows.rl_train import rl_train
-from helpers import lake_rows, logged_metrics, tiny_config
+from helpers import lake_rows, logged_metrics, moto_s3_server, tiny_config
 
 BUCKET = "trellis-test"
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory):
-    from conftest import _free_port
-
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            fsspec.filesystem("s3", key="k", secret="s", endpoint_url=endpoint).ls("")
-            break
-        except Exception:
-            assert time.time() < deadline and server.poll() is None, "moto_server did not come up"
-            time.sleep(0.2)
-    yield endpoint
-    server.terminate()
-    server.wait(timeout=10)
+def s3_endpoint():
+    with moto_s3_server() as endpoint:
+        yield endpoint
 
 
 def test_a_run_on_s3_stores_everything_there_resumes_from_it_and_leaks_no_secret(

@@ -11,9 +11,6 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import re
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +28,7 @@ from engine.storage.checkpoints import CheckpointError
 from engine.tiny.model import build_tiny_checkpoint
 from engine.train import fsdp
 from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from helpers import moto_s3_server
 
 BUCKET = "sharded"
 # What the ranks import, imported once by the forkserver (it cannot import this module itself: the
@@ -56,26 +54,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def s3_options():
-    """moto's S3 server on loopback (as in test_s3.py), with the storage options s3fs takes."""
-    from conftest import _free_port
-
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    deadline = time.time() + 30
-    while True:
-        try:
-            fsspec.filesystem("s3", **options).mkdir(BUCKET)
-            break
-        except Exception:
-            assert time.time() < deadline and server.poll() is None, "moto_server did not come up"
-            time.sleep(0.2)
-    yield options
-    server.terminate()
-    server.wait(timeout=10)
+    """moto's S3 server on loopback, with its bucket, as the storage options s3fs takes."""
+    with moto_s3_server() as endpoint:
+        options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint}}
+        fsspec.filesystem("s3", **options).mkdir(BUCKET)
+        yield options
 
 
 @pytest.fixture(scope="module")
