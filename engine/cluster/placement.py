@@ -76,7 +76,6 @@ def _colocated_on_gpus(config: TrellisConfig) -> bool:
 def side_placement(config: TrellisConfig, role: Role, index: int, timeout_s: float) -> PlacementGroupSchedulingStrategy:
     """The scheduling strategy that puts ``role`` in its side's placement group (made on first use:
     ``num_workers`` bundles of ``accelerators_per_worker`` GPUs, or CPUs on a cluster without GPUs)."""
-    check_fits(config)
     groups = {side: _placement_group(config, side, timeout_s) for side in ("train", "rollout")}
     if groups["train"].id == groups["rollout"].id:
         raise GpuPlacementError(
@@ -91,11 +90,10 @@ def check_fits(config: TrellisConfig) -> None:
     waiting for a placement group that can never be placed."""
     cluster = ray.cluster_resources()
     kind = _bundle_kind(config)
-    wanted = sum(_bundles(config, side)[0][kind] * len(_bundles(config, side)) for side in _sides(config))
+    bundles = {side: _bundles(config, side) for side in _sides(config)}
+    wanted = sum(bundle[kind] for side_bundles in bundles.values() for bundle in side_bundles)
     if wanted > cluster.get(kind, 0.0) + 1e-9:
-        asked = ", ".join(
-            f"{side}: {len(_bundles(config, side))} x {_bundles(config, side)[0][kind]:g} {kind}" for side in _sides(config)
-        )
+        asked = ", ".join(f"{side}: {len(b)} x {b[0][kind]:g} {kind}" for side, b in bundles.items())
         raise GpuPlacementError(
             f"{config.experiment_name} asks for {wanted:g} {kind} ({asked}), but the Ray cluster has "
             f"{cluster.get(kind, 0.0):g}. Lower train_resources / rollout_resources (num_workers, "
