@@ -155,13 +155,17 @@ def _train_in_process(cfg, resume: bool) -> None:
 
     from engine.run.local import LocalRun
 
+    from deployments.progress import RunLogTail
+
+    tail = RunLogTail(cfg)
     with LocalRun(cfg, resume=resume) as run:
-        typer.echo(f"train prompts: {run.train_report.summary()}")
-        if run.step:
-            typer.echo(f"resumed from {run.plan.start.checkpoint} at step {run.step}")
+        for line in tail.new_lines():  # how the run starts, and the dataset rows it skipped
+            typer.echo(line)
         with tqdm(total=run.plan.total_steps, initial=run.step, desc="train", unit="step", file=sys.stdout) as bar:
 
             def on_step(report) -> None:
+                for line in tail.new_lines():
+                    bar.write(line)
                 metrics = report.metrics
                 if report.step == 0:
                     bar.write(f"initial eval accuracy {metrics['eval/accuracy']:.3f}")
@@ -209,6 +213,7 @@ def _train_with_flow(cfg, resume: bool) -> None:
 def _say_where(cfg) -> None:
     typer.echo(f"trajectories: {cfg.run_uri}/trajectories  (Parquet, split=/step= partitions)")
     typer.echo(f"metrics:      {cfg.run_uri}/logs/metrics.jsonl")
+    typer.echo(f"run log:      {cfg.log_uri}/run.log")
     if cfg.checkpoint_interval not in (None, -1):
         typer.echo(f"checkpoints:  {cfg.checkpoint_uri}  (resume with --resume or auto_resume: true)")
     if cfg.hf_interval not in (None, -1):

@@ -1,6 +1,7 @@
 """Follow a run's records and show them on a progress bar while the flow runs in the main thread:
 the total from ``logs/run_plan.json`` (written once the run knows where it starts), the steps and
-rewards from ``logs/metrics.jsonl``."""
+rewards from ``logs/metrics.jsonl``, and above the bar what the run log says a user must know
+(skipped dataset rows, failed samples, retries, worker errors)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,34 @@ def _read(uri: str, storage_options: dict) -> str | None:
         return None
 
 
+class RunLogTail:
+    """The console lines of the run log written since this object was made."""
+
+    def __init__(self, config) -> None:
+        from engine.run.run_log import run_log_uri
+
+        self._uri, self._options = run_log_uri(config.log_uri), config.storage_options
+        self._seen = len(_read(self._uri, self._options) or "")
+
+    def new_lines(self) -> list[str]:
+        from engine.run.run_log import console_lines
+
+        text = _read(self._uri, self._options) or ""
+        fresh, self._seen = text[self._seen :], len(text)
+        return console_lines(fresh)
+
+
 def follow_metrics(config, bar, done: threading.Event, every_s: float = 0.5) -> None:
     from engine.run.plan import run_plan_uri
 
     logs = f"{config.run_uri}/logs"
     seen: set[int] = set()
     plan_text = None
+    tail = RunLogTail(config)
     while True:
         finished = done.wait(every_s)
+        for line in tail.new_lines():
+            bar.write(line)
         latest = _read(run_plan_uri(config), config.storage_options)
         if latest is not None and latest != plan_text:  # a resumed run's earlier plan is replaced soon
             plan_text, plan = latest, json.loads(latest)

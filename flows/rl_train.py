@@ -12,12 +12,17 @@ The order of a step's phases and which are due are the engine's (``engine.run.st
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
 from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, plan_step
+from engine.run.run_log import RunLog, RunLogHandler, run_log_for
 from engine.run.step import StepOutcome, run_initial_evaluation, run_step
 from tasks.phases import TaskPhases
 from tasks.run_tasks import (
@@ -38,26 +43,43 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     """One attempt at the run: attach to the workers, restore where it starts, then one ``rl_step``
     flow run per step. A Prefect retry of a failed attempt resumes from the latest complete
     checkpoint, if the failed attempt got past its start decision."""
-    plan = restore_checkpoint(config, resume, attach_workers(config))
-    phases = TaskPhases(config)
-    metrics = run_initial_evaluation(phases, plan) or {}
-    counters, step = plan.counters, plan.first_step
-    if config.disaggregated and step <= plan.total_steps:
-        phases.continue_produce(plan.start.step)  # the producer starts with the weights the run starts from
-    # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
-    # is joined at the step's end, up to a second per step.
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        while step <= plan.total_steps:
-            outcome = rl_step(config, plan, step, counters)
-            counters = outcome.counters
-            if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
-                metrics, step = outcome.metrics, step + 1
+    with engine_warnings_in_run_log(config) as run_log:
+        plan = restore_checkpoint(config, resume, attach_workers(config))
+        phases = TaskPhases(config)
+        metrics = run_initial_evaluation(phases, plan) or {}
+        counters, step = plan.counters, plan.first_step
+        if config.disaggregated and step <= plan.total_steps:
+            phases.continue_produce(plan.start.step)  # the producer starts with the weights the run starts from
+        # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
+        # is joined at the step's end, up to a second per step.
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            while step <= plan.total_steps:
+                try:
+                    outcome = rl_step(config, plan, step, counters)
+                except Exception as error:
+                    run_log.error(f"step {step} failed: {type(error).__name__}: {error}")
+                    raise
+                counters = outcome.counters
+                if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
+                    metrics, step = outcome.metrics, step + 1
     if config.disaggregated and plan.first_step <= plan.total_steps:
         phases.pause_produce(plan.total_steps)
     close_trackers(config)
     if config.cluster.release_workers_at_end:
         release_workers(config)
     return metrics
+
+
+@contextmanager
+def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
+    """The engine's warnings (a worker replaced, a group skipped) go to the run's text log too."""
+    run_log = run_log_for(config)
+    handler = RunLogHandler(run_log)
+    logging.getLogger("engine").addHandler(handler)
+    try:
+        yield run_log
+    finally:
+        logging.getLogger("engine").removeHandler(handler)
 
 
 @flow(name="rl_train", flow_run_name="rl_train[{config.experiment_name}]", persist_result=False)

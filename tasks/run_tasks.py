@@ -14,6 +14,8 @@ from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
 from engine.run.resume import plan_start, record_owner, started_by
+from engine.run.run_log import record_start
+from engine.storage.lineage import record_run_origin
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
 from tasks.artifacts import artifact_key
@@ -45,6 +47,8 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
     ClusterPhases(config).open_trackers(plan.first_step)
     record_run_plan(config, plan)
+    record_start(config, plan, attempt=flow_run.get_run_count())
+    record_run_origin(config, start)
     record_owner(config, attempt)
     logger = get_run_logger()
     if start.action != "fresh":

@@ -13,11 +13,12 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import task_run
+from prefect.runtime import flow_run, task_run
 
 from engine.cluster.phases import ClusterPhases
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
+from engine.run.run_log import run_log_for
 from engine.run.step import Batch, Evaluation, Prepared
 from tasks.artifacts import artifact_key
 
@@ -28,6 +29,7 @@ RETRIED = dict(retries=2, retry_delay_seconds=1, **NOT_STORED)
 def _phases(config: TrellisConfig) -> ClusterPhases:
     phases = ClusterPhases(config)
     if task_run.run_count > 1:
+        run_log_for(config).warning(f"{task_run.name}: retry {task_run.run_count - 1} after a failure; replacing lost rollout workers")
         phases.workers.replace_lost_rollout()
     return phases
 
@@ -51,7 +53,7 @@ def load_batch(config: TrellisConfig, step: int) -> Batch:
 
 @task(name="write_trajectories", task_run_name="write_trajectories[step={step}]", **RETRIED)
 def write_trajectories(config: TrellisConfig, step: int, batch: Batch) -> str:
-    return _phases(config).write_trajectories(step, batch).result()
+    return _phases(config).write_trajectories(step, batch, flow_run_id=str(flow_run.get_id())).result()
 
 
 @task(name="prepare_data", task_run_name="prepare_data[step={step}]", **RETRIED)
@@ -85,7 +87,7 @@ def sync_weights(config: TrellisConfig, step: int) -> None:
 
 @task(name="evaluate", task_run_name="evaluate[step={step}]", **RETRIED)
 def evaluate(config: TrellisConfig, step: int) -> Evaluation:
-    return _phases(config).evaluate(step)
+    return _phases(config).evaluate(step, flow_run_id=str(flow_run.get_id()))
 
 
 @task(name="commit_checkpoint", task_run_name="commit_checkpoint[step={step}]", **RETRIED)

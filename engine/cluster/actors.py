@@ -372,12 +372,12 @@ class ControllerActor(BuiltFrom):
         batch = self.controller.prepare_data(produced.groups, step)
         return batch.info, batch
 
-    def write_trajectories(self, produced: ProduceResult, step: int, split: str) -> str:
-        return self.controller.write_trajectories(produced.groups, step, split)[0]
+    def write_trajectories(self, produced: ProduceResult, step: int, split: str, flow_run_id: str | None = None) -> str:
+        return self.controller.write_trajectories(produced.groups, step, split, flow_run_id)[0]
 
-    def evaluate(self, step: int, rollouts: list) -> tuple[str, dict[str, float]]:
+    def evaluate(self, step: int, rollouts: list, flow_run_id: str | None = None) -> tuple[str, dict[str, float]]:
         groups, metrics = self.controller.evaluate(step, self._rollout(rollouts))
-        uri, _ = self.controller.write_trajectories(groups, step, "eval")
+        uri, _ = self.controller.write_trajectories(groups, step, "eval", flow_run_id)
         return uri, metrics
 
     def _rollout(self, rollouts: list) -> RemoteRollout | RolloutPool:

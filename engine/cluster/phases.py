@@ -18,6 +18,7 @@ from engine.run.resume import (
     seal_hf_export,
     train_state,
 )
+from engine.run.run_log import record_step
 from engine.run.step import Batch, Done, Evaluation, Logged, Prepared
 from engine.storage.checkpoints import step_name
 
@@ -75,9 +76,9 @@ class ClusterPhases:
         summary_ref, samples_ref = self.workers.actor("controller").load_batch.remote(step)
         return Batch(self.workers.wait(summary_ref), samples_ref, time.time())
 
-    def write_trajectories(self, step: int, batch: Batch, split: str = "train") -> Done[str]:
+    def write_trajectories(self, step: int, batch: Batch, split: str = "train", flow_run_id: str | None = None) -> Done[str]:
         controller = self.workers.actor("controller")
-        return Done(self.workers.wait(controller.write_trajectories.remote(batch.samples, step, split)))
+        return Done(self.workers.wait(controller.write_trajectories.remote(batch.samples, step, split, flow_run_id)))
 
     def prepare_data(self, step: int, batch: Batch) -> Prepared:
         info_ref, prepared_ref = self.workers.actor("controller").prepare_data.remote(batch.samples, step)
@@ -109,15 +110,16 @@ class ClusterPhases:
     def sync_weights(self, step: int) -> None:
         self.workers.sync_weights(step)
 
-    def evaluate(self, step: int) -> Evaluation:
+    def evaluate(self, step: int, flow_run_id: str | None = None) -> Evaluation:
         workers = self.workers
         workers.hand_accelerator_to("rollout")
-        uri, metrics = workers.wait(workers.actor("controller").evaluate.remote(step, workers.actors("rollout")))
+        uri, metrics = workers.wait(workers.actor("controller").evaluate.remote(step, workers.actors("rollout"), flow_run_id))
         return Evaluation(uri, metrics)
 
     def log_step(self, step: int, record: StepRecord) -> Logged:
         metrics, counters = assemble_step_metrics(record)
         self.workers.wait(self.workers.actor("controller").log_metrics.remote(metrics, step))
+        record_step(self.config, step, metrics)
         return Logged(metrics, counters)
 
     def commit_checkpoint(self, step: int, counters: RunCounters) -> str:

@@ -80,6 +80,13 @@ class TrellisConfig(Frozen):
     debug_train: bool = False
     debug_rollout_dir: Location | None = None
     exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
+    log_dir: Location | None = Field(None, description="Where the run's text log (run.log) goes; default {run}/logs.")
+    artifact_links: Literal["uri", "console", "presigned"] = Field(
+        "uri",
+        description="How Prefect artifacts link s3:// partitions and checkpoints: as URIs, as AWS console links, or as "
+        "presigned HTTPS links (valid for artifact_link_expiry_s).",
+    )
+    artifact_link_expiry_s: int = Field(7 * 24 * 3600, gt=0, le=7 * 24 * 3600)
 
     trainer: Literal["colocated", "disaggregated"] = Field(
         "colocated",
@@ -125,6 +132,10 @@ class TrellisConfig(Frozen):
         if self.debug_rollout and split == "train" and self.debug_rollout_dir is not None:
             return self.debug_rollout_dir
         return self.run_uri
+
+    @property
+    def log_uri(self) -> str:
+        return (self.log_dir or f"{self.run_uri}/logs").rstrip("/")
 
     @property
     def checkpoint_uri(self) -> str:

@@ -36,6 +36,7 @@ from engine.rollout.rewards import RewardRunner
 from engine.storage.checkpoints import load_object, save_object
 from engine.storage.lake import (
     SCHEMA,
+    RowLineage,
     produced_uri,
     read_groups,
     summary,
@@ -44,6 +45,7 @@ from engine.storage.lake import (
     write_samples,
 )
 from engine.storage.ledger import write_ledger
+from engine.storage.lineage import policy_checkpoints, record_step
 
 _KEPT_SNAPSHOTS = 4
 _KEPT_BATCHES = 2
@@ -128,14 +130,19 @@ class Controller:
         )
         return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
 
-    def write_trajectories(self, groups: list[list[RolloutSample]], step: int, split: str) -> tuple[str, dict[str, float]]:
-        """A step's samples into the lake; for a training step, its groups into the ledger too."""
+    def write_trajectories(
+        self, groups: list[list[RolloutSample]], step: int, split: str, flow_run_id: str | None = None
+    ) -> tuple[str, dict[str, float]]:
+        """A step's samples into the lake, with their lineage (``flow_run_id``: the orchestrator run
+        writing them); for a training step, its groups into the ledger too."""
         samples = [sample for group in groups for sample in group]
         config = self.config
+        checkpoints = policy_checkpoints(config, [sample.policy_version for sample in samples])
         uri = write_samples(
             samples, run_uri=config.trajectory_root(split), run=config.experiment_name, split=split, step=step,
-            storage_options=config.storage_options,
+            storage_options=config.storage_options, lineage=RowLineage(flow_run_id, checkpoints),
         )
+        record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
         if split == "train" and not config.debug_rollout:
             write_ledger(groups, run_uri=config.run_uri, run=config.experiment_name, step=step, storage_options=config.storage_options)
         return uri, summary(samples)

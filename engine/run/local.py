@@ -28,6 +28,8 @@ from engine.run.plan import (
     roles_for,
 )
 from engine.run.preflight import check_inputs
+from engine.run.run_log import record_start, record_step
+from engine.storage.lineage import record_run_origin
 from engine.run.resume import (
     StartPlan,
     begin_checkpoint,
@@ -93,6 +95,8 @@ class LocalRun:
         if track:
             write_runtime_environment(config.run_uri, config.storage_options)
             record_run_plan(config, self.plan)
+            record_start(config, self.plan)
+            record_run_origin(config, start)
         self.step = start.step
         self.counters = self.plan.counters
         self._phases = LocalPhases(self)
@@ -237,6 +241,7 @@ class LocalPhases:
         metrics, counters = assemble_step_metrics(record)
         if self._run.trackers is not None:
             self._run.trackers.log(metrics, step)
+            record_step(self._config, step, metrics)
         return Logged(metrics, counters)
 
     def commit_checkpoint(self, step: int, counters: RunCounters) -> str:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
+from engine.storage.lineage import record_checkpoint_lineage
 from engine.storage.checkpoints import (
     TRAIN_STATE,
     CheckpointError,
@@ -91,6 +92,7 @@ def seal_checkpoint(config: TrellisConfig, step: int, state: dict[str, float | i
     """Write the train state and the marker, then prune; returns the pruned steps."""
     store = SaveStore(config.checkpoint_uri, config.storage_options)
     write_json(state, f"{store.uri(step)}/{TRAIN_STATE}", config.storage_options)
+    record_checkpoint_lineage(config, step)
     store.seal(step, {"policy_version": state["policy_version"]})
     return store.prune(config.checkpoint_maxkeep)
 

@@ -179,6 +179,7 @@ def exists(uri: str, storage_options: Mapping[str, Any] | None = None) -> bool:
 
 def write_json(data: Mapping[str, Any], uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
     fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
 

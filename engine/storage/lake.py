@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import fsspec
 import pyarrow as pa
@@ -48,15 +49,26 @@ SCHEMA = pa.schema(
         ("response_len", pa.int32()),
         ("extra", pa.string()),  # JSON of the dataset's extra columns
         ("agent", pa.string()),  # JSON of multi-turn agent fields, null for single-turn samples
+        ("flow_run_id", pa.string()),  # the orchestrator run (Prefect flow run of the step) that wrote the row
+        ("checkpoint", pa.string()),  # what policy_version was saved as (null: never saved); see engine.storage.lineage
     ]
 )
+
+
+@dataclass(frozen=True)
+class RowLineage:
+    """Where rows came from: the flow run writing them, and the checkpoint of each policy version."""
+
+    flow_run_id: str | None = None
+    checkpoints: Mapping[int, str | None] = field(default_factory=dict)
 
 
 def partition_uri(run_uri: str, split: str, step: int) -> str:
     return f"{run_uri.rstrip('/')}/trajectories/split={split}/step={step:06d}"
 
 
-def to_row(sample: RolloutSample, run: str) -> dict[str, Any]:
+def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -> dict[str, Any]:
+    lineage = lineage or RowLineage()
     return {
         "run": run,
         "train_step": sample.train_step,
@@ -86,14 +98,17 @@ def to_row(sample: RolloutSample, run: str) -> dict[str, Any]:
         "response_len": len(sample.response_ids),
         "extra": json.dumps(sample.extra, default=str),
         "agent": None,
+        "flow_run_id": lineage.flow_run_id,
+        "checkpoint": lineage.checkpoints.get(sample.policy_version),
     }
 
 
 def write_samples(
-    samples: list[RolloutSample], *, run_uri: str, run: str, split: str, step: int, storage_options: dict[str, str] | None = None
+    samples: list[RolloutSample], *, run_uri: str, run: str, split: str, step: int, storage_options: dict[str, str] | None = None,
+    lineage: RowLineage | None = None,
 ) -> str:
     """Write one step's samples as one Parquet part; return the part's URI."""
-    table = pa.Table.from_pylist([to_row(s, run) for s in samples], schema=SCHEMA)
+    table = pa.Table.from_pylist([to_row(s, run, lineage) for s in samples], schema=SCHEMA)
     return write_part(table, partition_uri(run_uri, split, step), storage_options)
 
 

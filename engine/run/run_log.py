@@ -1,0 +1,172 @@
+"""A run's own text log, ``{log_dir}/run.log`` (``log_dir`` defaults to ``{run}/logs``): how the run
+started, one summary line per step as XTuner prints them, and what an operator must know (dataset
+rows skipped, failed samples, skipped groups, worker errors, restarts and retries).
+
+Every line is ``TIME LEVEL message``. ``STEP`` lines are the per-step summaries (the console's
+progress bar shows the same); ``INFO``, ``WARNING`` and ``ERROR`` lines are also what the console
+prints beside the bar. The file is read back through fsspec, so it works on object storage too,
+where it is rewritten whole (a few hundred bytes a step) because objects cannot be appended to.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+import fsspec
+
+from engine.secrets import redact
+
+FILE_NAME = "run.log"
+CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")
+
+
+def run_log_uri(log_dir: str) -> str:
+    return f"{log_dir.rstrip('/')}/{FILE_NAME}"
+
+
+class RunLog:
+    """Appends lines to one run's log. One instance per process; lines from several threads are
+    serialised."""
+
+    def __init__(self, log_dir: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.uri = run_log_uri(log_dir)
+        self._fs, self._path = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
+        self._local = "file" in (self._fs.protocol if isinstance(self._fs.protocol, (tuple, list)) else (self._fs.protocol,))
+        self._lock = threading.Lock()
+        self._text: str | None = None  # object storage: what the file holds, to rewrite it whole
+        self.total_steps: int | None = None  # for "step N/TOTAL", once the run plan is known
+
+    def write(self, level: str, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        lines = "".join(f"{stamp} {level} {redact(line)}\n" for line in message.splitlines() or [""])
+        with self._lock:
+            self._fs.makedirs(self._path.rsplit("/", 1)[0], exist_ok=True)
+            if self._local:
+                with self._fs.open(self._path, "a") as handle:
+                    handle.write(lines)
+                return
+            if self._text is None:
+                self._text = read_run_log(self.uri, {}, fs=self._fs) or ""
+            self._text += lines
+            with self._fs.open(self._path, "w") as handle:
+                handle.write(self._text)
+
+    def info(self, message: str) -> None:
+        self.write("INFO", message)
+
+    def warning(self, message: str) -> None:
+        self.write("WARNING", message)
+
+    def error(self, message: str) -> None:
+        self.write("ERROR", message)
+
+    def step(self, message: str) -> None:
+        self.write("STEP", message)
+
+
+def read_run_log(uri: str, storage_options: Mapping[str, Any] | None = None, *, fs=None) -> str | None:
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    else:
+        path = fsspec.core.url_to_fs(uri)[1] if "://" in uri else uri
+    try:
+        with fs.open(path, "r") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+def console_lines(text: str) -> list[str]:
+    """The lines of a run log the console shows beside its progress bar (not the step summaries)."""
+    shown = []
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[2] in CONSOLE_LEVELS:
+            shown.append(f"{parts[2].lower()}: {parts[3]}" if parts[2] != "INFO" else parts[3])
+    return shown
+
+
+def step_summary(step: int, total: int, metrics: Mapping[str, float]) -> str:
+    """XTuner's one line per step: reward, response length, eval, throughput and where time went."""
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+
+    def add(label: str, key: str, spec: str = ".3f") -> None:
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:{spec}}")
+
+    add("reward", "response/rewards/mean")
+    add("response_len", "response/response_len/mean", ".1f")
+    add("eval", "eval/accuracy")
+    add("tokens/s", "throughput/effective_tgs", ".0f")
+    add("step_s", "time/step", ".2f")
+    phases = [f"{name} {metrics[f'time/{name}']:.2f}" for name in ("produce_batch", "get_batch", "fit", "sync_weights", "evaluate") if f"time/{name}" in metrics]
+    if phases:
+        parts.append(f"({', '.join(phases)})")
+    return "  ".join(parts)
+
+
+def step_warnings(step: int, metrics: Mapping[str, float]) -> list[str]:
+    """What a step did that a user should hear of: failed samples, groups left out of training."""
+    warnings = []
+    failed = int(metrics.get("rollout/failed_samples", 0))
+    if failed:
+        warnings.append(f"step {step}: {failed} sample(s) failed (reward or rollout error; see status/error_msg in the lake)")
+    skipped = int(metrics.get("response/skipped_groups", 0))
+    if skipped:
+        warnings.append(f"step {step}: {skipped} group(s) left out of training (a failed sample in the group)")
+    return warnings
+
+
+class RunLogHandler(logging.Handler):
+    """Sends the engine's own warnings (worker replaced, group skipped...) to the run log."""
+
+    def __init__(self, run_log: RunLog, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.run_log = run_log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.run_log.write(record.levelname, record.getMessage())
+        except Exception:  # a log that cannot be written must never fail the run
+            self.handleError(record)
+
+
+_logs: dict[str, RunLog] = {}
+_logs_lock = threading.Lock()
+
+
+def run_log_for(config) -> RunLog:
+    """This process's log of ``config``'s run (one instance per file, shared by threads)."""
+    with _logs_lock:
+        uri = run_log_uri(config.log_uri)
+        if uri not in _logs:
+            _logs[uri] = RunLog(config.log_uri, config.storage_options)
+        return _logs[uri]
+
+
+def record_start(config, plan, attempt: int = 1) -> None:
+    """How the run starts, and the dataset rows it could not use."""
+    log = run_log_for(config)
+    log.total_steps = plan.total_steps
+    start = plan.start
+    if attempt > 1:
+        log.warning(f"attempt {attempt} of the run (a Prefect retry): {start.action} at step {start.step} {start.checkpoint or ''}".rstrip())
+    elif start.action == "fresh":
+        log.info(f"run {config.experiment_name}: a fresh start, {plan.total_steps} steps")
+    else:
+        log.info(f"run {config.experiment_name}: {start.action} at step {start.step} {start.checkpoint or ''}".rstrip())
+    if plan.train_report:
+        skipped = "skipped" in plan.train_report
+        (log.warning if skipped else log.info)(f"train prompts: {plan.train_report}")
+    if plan.first_step > plan.total_steps:
+        log.info(f"already at step {start.step} of {plan.total_steps}: nothing to train")
+
+
+def record_step(config, step: int, metrics: Mapping[str, float]) -> None:
+    log = run_log_for(config)
+    log.step(step_summary(step, log.total_steps or config.total_train_steps or 0, metrics))
+    for warning in step_warnings(step, metrics):
+        log.warning(warning)
