@@ -1,0 +1,167 @@
+"""`trellis report`: the plots and the HTML page of a real (in-process, three-step) run, locally and on
+S3, and the clear errors for runs that have nothing to report."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import fsspec
+import pytest
+import typer
+from matplotlib.image import imread
+from typer.testing import CliRunner
+
+from deployments.cli_report import report
+from engine.run.local import LocalRun
+from engine.storage.report import ReportError, write_report
+from helpers import moto_s3_server, tiny_config
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+COLOCATED_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch"}
+
+
+@pytest.fixture(scope="module")
+def run_folder(tiny_model, reverse_data, tmp_path_factory) -> Path:
+    """Three trained steps, evaluated at steps 0 and 3 with pass@4."""
+    config = tiny_config(
+        tiny_model, reverse_data, tmp_path_factory.mktemp("work"), experiment_name="reported",
+        total_train_steps=3, evaluate_step=3, checkpoint_interval=-1,
+        rollout={"temperature": 0.6, "max_new_tokens": 8, "eval_samples_per_prompt": 4, "eval_temperature": 0.6},
+    )
+    with LocalRun(config) as run:
+        run.run()
+    return Path(config.run_uri)
+
+
+def metrics_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_plot(png: bytes) -> None:
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+    assert imread(io.BytesIO(png), format="png").var() > 0  # something was drawn on the white canvas
+
+
+def cli() -> typer.Typer:
+    """A stand-in for the trellis app; its callback keeps ``report`` a subcommand, as it is there."""
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    app.command("report")(report)
+    return app
+
+
+def test_the_report_plots_each_logged_panel_and_embeds_them_in_one_html_page(run_folder, tmp_path):
+    written = write_report(str(run_folder), str(tmp_path / "out"))
+
+    assert set(written.png_uris) == COLOCATED_PANELS  # no staleness panel: the run is colocated
+    page = Path(written.html_uri).read_text()
+    for panel, uri in written.png_uris.items():
+        png = Path(uri).read_bytes()
+        assert_plot(png)
+        assert f'src="data:image/png;base64,{base64.b64encode(png).decode()}"' in page, panel
+    assert "reported" in page and "Eval accuracy" in page
+
+
+def test_the_default_output_is_the_run_folder_s_report_folder(run_folder):
+    written = write_report(str(run_folder))
+    assert written.html_uri == f"{run_folder}/report/index.html" and Path(written.html_uri).is_file()
+    assert written.png_uris["reward"] == f"{run_folder}/report/reward.png"
+
+
+def test_the_headline_figures_are_the_metrics_file_s(run_folder, tmp_path):
+    records = metrics_of(run_folder)
+    trained = [r for r in records if "time/step" in r]
+    evaluated = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 3] and "eval/pass@4" in evaluated[-1]
+
+    headline = write_report(str(run_folder), str(tmp_path)).headline
+
+    assert headline["steps"] == 3
+    assert headline["reward_first"] == trained[0]["response/rewards/mean"]
+    assert headline["reward_last"] == trained[-1]["response/rewards/mean"]
+    assert headline["eval_accuracy_first"] == evaluated[0]["eval/accuracy"]
+    assert headline["eval_accuracy_last"] == evaluated[-1]["eval/accuracy"]
+    assert headline["mean_step_s"] == pytest.approx(sum(r["time/step"] for r in trained) / 3)
+    assert headline["trained_tokens_per_s"] == pytest.approx(
+        sum(r["response/training_tokens"] for r in trained) / sum(r["time/step"] for r in trained)
+    )
+
+
+def test_the_markdown_summary_has_the_headline_and_links_the_page(run_folder, tmp_path):
+    written = write_report(str(run_folder), str(tmp_path))
+    summary = written.markdown()
+    assert "| Steps | 3 |" in summary
+    assert f"{written.headline['reward_first']:.3f} → {written.headline['reward_last']:.3f}" in summary
+    assert f"]({written.html_uri})" in summary
+
+
+def test_an_asynchronous_run_s_staleness_gets_its_panel(run_folder, tmp_path):
+    run = tmp_path / "async_run"
+    (run / "logs").mkdir(parents=True)
+    records = metrics_of(run_folder)
+    for record in records[1:]:
+        record.update({"async/staleness_mean": 0.5 * record["step"], "async/staleness_max": 1.0})
+    (run / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+    written = write_report(str(run))
+
+    assert set(written.png_uris) == COLOCATED_PANELS | {"staleness"}
+    assert_plot(Path(written.png_uris["staleness"]).read_bytes())
+
+
+def test_a_panel_without_its_metrics_is_left_out_instead_of_drawn_empty(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.4}) + "\n")
+    written = write_report(str(tmp_path))
+    assert set(written.png_uris) == {"eval"} and written.headline == {
+        "steps": 0, "eval_accuracy_first": 0.4, "eval_accuracy_last": 0.4,
+    }
+    assert_plot(Path(written.png_uris["eval"]).read_bytes())
+
+
+def test_a_run_without_metrics_is_a_clear_error(tmp_path):
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(ReportError, match="has no metrics yet: .*metrics.jsonl does not exist"):
+        write_report(str(tmp_path))
+    (tmp_path / "logs" / "metrics.jsonl").write_text("")
+    with pytest.raises(ReportError, match="has no metrics yet: .*holds no step"):
+        write_report(str(tmp_path))
+
+    result = CliRunner().invoke(cli(), ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "has no metrics yet" in result.stderr
+
+
+def test_the_cli_prints_where_it_wrote_and_refuses_an_unknown_run(run_folder, tmp_path):
+    runner = CliRunner()
+    work_dir = str(run_folder.parent)
+    result = runner.invoke(cli(), ["report", "reported", "--work-dir", work_dir, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert f"report: {tmp_path}/index.html" in result.stdout and f"reward: {tmp_path}/reward.png" in result.stdout
+
+    result = runner.invoke(cli(), ["report", "nope", "--work-dir", work_dir])
+    assert result.exit_code == 2
+    assert f"No run named 'nope' under {work_dir}. Runs there: reported." in result.stderr
+
+
+def test_a_report_of_a_run_on_s3_is_written_to_s3(run_folder, tmp_path):
+    local = tmp_path / "run"
+    shutil.copytree(run_folder, local, ignore=shutil.ignore_patterns("report"))
+    with moto_s3_server() as endpoint:
+        storage = {"key": "k", "secret": "s", "endpoint_url": endpoint}
+        s3 = fsspec.filesystem("s3", **storage)
+        s3.mkdir("reports")
+        s3.put(f"{local}/", "reports/runs/reported/", recursive=True)
+
+        written = write_report("s3://reports/runs/reported", storage_options=storage)
+
+        assert written.html_uri == "s3://reports/runs/reported/report/index.html"
+        assert set(written.png_uris) == COLOCATED_PANELS
+        page = s3.cat(written.html_uri).decode()
+        for uri in written.png_uris.values():
+            png = s3.cat(uri)
+            assert_plot(png)
+            assert base64.b64encode(png).decode() in page
