@@ -1,4 +1,5 @@
-"""The `trellis` command line: build the tiny model, train from a YAML config."""
+"""The `trellis` command line: build the tiny model, train from a YAML config, run the Prefect server,
+and look at runs (lineage, reports, the lake)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from deployments.cli_lineage import lineage
+from deployments.cli_report import report
+from deployments.cli_server import server_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training for language models.")
+app.add_typer(server_app, name="server")
+app.command("lineage")(lineage)
+app.command("report")(report)
 
 
 @app.command("tiny-model")
@@ -119,6 +127,10 @@ def train(
     overrides: Annotated[list[str], typer.Option("--set", help="key=value override, e.g. --set optim.lr=1e-4.")] = [],  # noqa: B006
     in_process: Annotated[bool, typer.Option("--in-process", help="Run the engine in this process: no Prefect, no Ray.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest complete checkpoint.")] = False,
+    fork: Annotated[
+        Optional[str],
+        typer.Option("--fork", metavar="RUN@STEP", help="Start this experiment from a complete checkpoint of another run (a name under work_dir, or a URI)."),
+    ] = None,
 ) -> None:
     """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs)."""
     from engine.config.loading import ConfigError, load_config
@@ -129,9 +141,13 @@ def train(
     from engine.storage.lake import LakeError
 
     _quiet_libraries()
-    refused: tuple[type[Exception], ...] = (ConfigError, InputError, DatasetError, CheckpointError, LakeError)
+    from engine.storage.runs import RunNotFoundError
+
+    refused: tuple[type[Exception], ...] = (ConfigError, InputError, DatasetError, CheckpointError, LakeError, RunNotFoundError)
     try:
         cfg = load_config(config, overrides)
+        if fork is not None:
+            cfg = load_config(config, [*overrides, f"load_checkpoint_cfg.checkpoint_path={fork_source(cfg, fork)}"])
         install_log_redaction(cfg.storage_options)
         check_inputs(cfg)
         if in_process:
@@ -148,6 +164,27 @@ def train(
     except refused as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
+
+
+def fork_source(cfg, fork: str) -> str:
+    """The complete checkpoint ``RUN@STEP`` names, checked; a clear error for anything else."""
+    from engine.storage.checkpoints import CheckpointError, SaveStore, require_complete
+    from engine.storage.runs import locate_run, split_run_step
+
+    try:
+        run, step = split_run_step(fork)
+    except ValueError as error:
+        raise CheckpointError(f"--fork {error}") from None
+    if step is None:
+        raise CheckpointError(f"--fork {fork!r}: name the step of a checkpoint, as in {fork}@10.")
+    source = locate_run(run, work_dir=cfg.work_dir, storage_options=cfg.storage_options)
+    if source.uri.rstrip("/") == cfg.run_uri.rstrip("/"):
+        raise CheckpointError(f"--fork {fork}: that is this experiment's own run; use --resume, or pick another experiment_name.")
+    if SaveStore(cfg.checkpoint_uri, cfg.storage_options).latest() is not None:
+        raise CheckpointError(f"--fork: {cfg.run_uri} already holds checkpoints; a fork starts a new experiment_name.")
+    uri = f"{source.uri}/checkpoints/step-{step:06d}"
+    require_complete(uri, cfg.storage_options)
+    return uri
 
 
 def _train_in_process(cfg, resume: bool) -> None:
@@ -184,6 +221,12 @@ def _train_with_flow(cfg, resume: bool) -> None:
     import threading
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from deployments.server import running_state
+
+    server = running_state(cfg.cluster.home) if "PREFECT_API_URL" not in os.environ else None
+    if server is not None:  # `trellis server up` left one: the run shows in its UI
+        os.environ["PREFECT_API_URL"] = server.api_url
+        typer.echo(f"flow runs: {server.url}/runs")
     # Without a Prefect server, each run starts a temporary one; its telemetry write races the run's
     # first writes on the shared SQLite file ("database is locked"). Nothing here needs telemetry.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

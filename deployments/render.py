@@ -20,13 +20,13 @@ PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
 HEADER = """\
 # Prefect deployments of trellis, GENERATED from configs/*.yaml by `trellis deployments render`:
 # edit a config, then render again (a test fails while this file and the configs disagree).
+# Four per config: rl_train (train), evaluate_checkpoint, rescore and export (the run's results).
 #
-# From the repository root, with a Prefect server running (`prefect server start`) and a work pool
-# (`prefect work-pool create trellis-local --type process`):
+# `trellis server up` starts a Prefect server, a `process` work pool with its worker, and deploys
+# this file from the repository root; then:
 #
-#   prefect deploy --prefect-file deployments/prefect.yaml --all
-#   prefect worker start --pool trellis-local
 #   prefect deployment run 'rl_train/tiny-reverse' --watch
+#   prefect deployment run 'evaluate_checkpoint/tiny-reverse' -p checkpoint=10
 #
 # The `config` parameter is a TrellisConfig: the UI shows its schema and checks every edit. Flow
 # retries come from its `cluster.flow_retries`.
@@ -43,20 +43,49 @@ definitions:
       cron: "0 2 * * *"
       timezone: UTC
       active: false   # an example: switch it on in the UI
+    hourly: &hourly
+      interval: 3600
+      active: false   # an example: evaluate whatever the run saved last, every hour
 
 deployments:
 """
 
-DEPLOYMENT = """\
+DEPLOYMENTS = """\
   - name: {name}
-    description: {description}
+    description: GRPO from {source}
     entrypoint: flows/rl_train.py:rl_train
     work_pool: *local_pool
     schedules:
       - *nightly
     parameters:
-      config:
-{config}"""
+      config: &{name}
+{config}\
+  - name: {name}
+    description: Evaluate the latest complete checkpoint (or a given one) of the run of {source}
+    entrypoint: flows/evaluate_checkpoint.py:evaluate_checkpoint
+    work_pool: *local_pool
+    schedules:
+      - *hourly
+    parameters:
+      config: *{name}
+  - name: {name}
+    description: Score the stored trajectories of the run of {source} again with another reward function
+    entrypoint: flows/rescore.py:rescore
+    work_pool: *local_pool
+    parameters:
+      config: *{name}
+      reward_function: {rescore_with}
+  - name: {name}
+    description: Export a checkpoint of the run of {source} as an HF folder
+    entrypoint: flows/export.py:export
+    work_pool: *local_pool
+    parameters:
+      config: *{name}
+"""
+
+# What the example rescore deployment scores with: a softer verifier for the bundled task, else the
+# run's own function (edit it in the UI).
+RESCORE_WITH = {"engine.tiny.reverse_task:score": "engine.tiny.reverse_task:partial_score"}
 
 
 def deployment_name(config_path: Path) -> str:
@@ -67,11 +96,13 @@ def render(config_paths: list[Path]) -> str:
     """The whole prefect.yaml for these configs (each is validated first)."""
     parts = [HEADER]
     for path in sorted(config_paths):
-        load_config(path)
+        reward = load_config(path).reward.function
         raw = yaml.safe_load(path.read_text())
         config = textwrap.indent(yaml.safe_dump(raw, sort_keys=False, default_flow_style=False), " " * 8)
-        description = f"GRPO from {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
-        parts.append(DEPLOYMENT.format(name=deployment_name(path), description=description, config=config))
+        source = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        parts.append(
+            DEPLOYMENTS.format(name=deployment_name(path), source=source, config=config, rescore_with=RESCORE_WITH.get(reward, reward))
+        )
     return "".join(parts)
 
 

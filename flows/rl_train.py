@@ -12,22 +12,18 @@ The order of a step's phases and which are due are the engine's (``engine.run.st
 
 from __future__ import annotations
 
-import logging
-from contextlib import contextmanager
-from typing import Iterator
-
 from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, plan_step
-from engine.run.run_log import RunLog, RunLogHandler, run_log_for
 from engine.run.step import StepOutcome, run_initial_evaluation, run_step
 from tasks.phases import TaskPhases
 from tasks.run_tasks import (
     attach_workers,
     close_trackers,
+    engine_warnings_in_run_log,
     release_workers,
     restore_checkpoint,
 )
@@ -68,18 +64,6 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     if config.cluster.release_workers_at_end:
         release_workers(config)
     return metrics
-
-
-@contextmanager
-def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
-    """The engine's warnings (a worker replaced, a group skipped) go to the run's text log too."""
-    run_log = run_log_for(config)
-    handler = RunLogHandler(run_log)
-    logging.getLogger("engine").addHandler(handler)
-    try:
-        yield run_log
-    finally:
-        logging.getLogger("engine").removeHandler(handler)
 
 
 @flow(name="rl_train", flow_run_name="rl_train[{config.experiment_name}]", persist_result=False)

@@ -10,7 +10,7 @@ from engine.cluster.phases import ClusterPhases
 from engine.config import TrellisConfig
 from engine.run.metrics import StepRecord
 from engine.run.step import Evaluation, Logged
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, storage_link
 from tasks.step_tasks import RETRIED
 
 
@@ -24,7 +24,7 @@ def log_step(config: TrellisConfig, step: int, record: StepRecord) -> Logged:
         description=f"{config.experiment_name}: metrics of step {step}",
     )
     for name, uri in record.links.items():
-        create_link_artifact(key=artifact_key(config, name), link=uri, link_text=f"{name} of step {step}")
+        create_link_artifact(key=artifact_key(config, name), link=storage_link(config, uri), link_text=f"{name} of step {step}: {uri}")
     return logged
 
 
@@ -33,5 +33,5 @@ def log_evaluation(config: TrellisConfig, step: int, evaluation: Evaluation) -> 
     """The initial evaluation (step 0), before any training."""
     metrics = ClusterPhases(config).log_evaluation(step, evaluation)
     link = artifact_key(config, "eval-trajectories")
-    create_link_artifact(key=link, link=evaluation.uri, link_text=f"eval trajectories of step {step}")
+    create_link_artifact(key=link, link=storage_link(config, evaluation.uri), link_text=f"eval trajectories of step {step}: {evaluation.uri}")
     return metrics

@@ -3,6 +3,10 @@ release the workers at the end."""
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
@@ -14,7 +18,7 @@ from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
 from engine.run.resume import plan_start, record_owner, started_by
-from engine.run.run_log import record_start
+from engine.run.run_log import RunLog, RunLogHandler, record_start, run_log_for
 from engine.storage.lineage import record_run_origin
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
@@ -71,3 +75,15 @@ def release_workers(config: TrellisConfig) -> None:
 @task(name="close_trackers", **NOT_STORED)
 def close_trackers(config: TrellisConfig) -> None:
     ClusterPhases(config).close_trackers()
+
+
+@contextmanager
+def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
+    """The engine's warnings (a worker replaced, a group skipped) go to the run's text log too."""
+    run_log = run_log_for(config)
+    handler = RunLogHandler(run_log)
+    logging.getLogger("engine").addHandler(handler)
+    try:
+        yield run_log
+    finally:
+        logging.getLogger("engine").removeHandler(handler)

@@ -20,7 +20,7 @@ from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.run_log import run_log_for
 from engine.run.step import Batch, Evaluation, Prepared
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
 RETRIED = dict(retries=2, retry_delay_seconds=1, **NOT_STORED)
@@ -93,7 +93,7 @@ def evaluate(config: TrellisConfig, step: int) -> Evaluation:
 @task(name="commit_checkpoint", task_run_name="commit_checkpoint[step={step}]", **RETRIED)
 def commit_checkpoint(config: TrellisConfig, step: int, counters: RunCounters) -> str:
     uri = ClusterPhases(config).commit_checkpoint(step, counters)
-    create_link_artifact(key=artifact_key(config, "checkpoint"), link=uri, link_text=f"checkpoint of step {step}")
+    create_link_artifact(key=artifact_key(config, "checkpoint"), link=storage_link(config, uri), link_text=f"checkpoint of step {step}: {uri}")
     return uri
 
 

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+import fsspec
+
 from engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
@@ -217,3 +219,23 @@ def lineage_chain(run_uri: str, step: int, storage_options: Mapping[str, Any] | 
         chain.append(Link("continues", "the initial model", parent["uri"]))
     return chain
 
+
+
+def trace_sample(run_uri: str, rollout_id: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One trajectory row's lineage: its split and step, policy version, checkpoint and flow run."""
+    import pyarrow.dataset as ds
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    from engine.storage.lake import LakeError
+
+    fs, path = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories", **dict(storage_options or {}))
+    if not fs.exists(path):
+        raise LakeError(f"{run_uri} has no trajectories.")
+    dataset = ds.dataset(path, filesystem=PyFileSystem(FSSpecHandler(fs)), format="parquet", partitioning="hive")
+    columns = [c for c in ("split", "step", "policy_version", "reward", "checkpoint", "flow_run_id") if c in dataset.schema.names]
+    rows = dataset.to_table(columns=columns, filter=ds.field("rollout_id") == rollout_id).to_pylist()
+    if not rows:
+        raise LakeError(f"No trajectory row of {run_uri} has rollout_id {rollout_id!r}.")
+    row = min(rows, key=lambda r: (r["split"] != "train", r["split"]))  # the row as trained, before any copy
+    return {"split": row["split"], "step": row["step"], "policy_version": row["policy_version"], "reward": row["reward"],
+            "checkpoint": row.get("checkpoint"), "flow_run_id": row.get("flow_run_id")}

@@ -63,8 +63,8 @@ def locate_run(run: str, *, work_dir: str = "work_dirs", storage_options: dict[s
         raise RunNotFoundError(f"No run at {uri}: it holds no logs/, trajectories/ or checkpoints/.")
     try:
         known = [ref.name for ref in run_folders(work_dir, options)]
-    except RunNotFoundError:
-        known = []
+    except RunNotFoundError as missing_work_dir:
+        raise RunNotFoundError(f"No run named {run!r}: {missing_work_dir}") from None
     hint = f" Runs there: {', '.join(known)}." if known else " There are no runs there."
     raise RunNotFoundError(f"No run named {run!r} under {work_dir}.{hint}")
 

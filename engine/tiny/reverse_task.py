@@ -39,3 +39,11 @@ def write_dataset(path: str | Path, count: int, seed: int) -> Path:
 def score(sample: dict[str, Any]) -> float:
     """1.0 iff the stripped response equals the reversed word."""
     return 1.0 if str(sample["response"]).strip() == str(sample["label"]) else 0.0
+
+
+def partial_score(sample: dict[str, Any]) -> float:
+    """Share of the reversed word's letters in the right place: a softer verifier, for ``rescore``."""
+    response, label = str(sample["response"]).strip(), str(sample["label"])
+    if not label:
+        return 0.0
+    return sum(a == b for a, b in zip(response, label)) / max(len(label), len(response))

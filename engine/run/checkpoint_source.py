@@ -1,0 +1,100 @@
+"""Which stored policy an offline job (evaluate, export) works on, and its weights.
+
+A source is a run's complete trainer checkpoint (``checkpoints/step-N``: ``model.safetensors``, or
+DCP shards under ``model/``) or an HF folder (``hf/step-N``, or any ``save_pretrained`` output).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import fsspec
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from engine.config import TrellisConfig
+from engine.storage.checkpoints import (
+    CheckpointError,
+    SaveStore,
+    downloaded,
+    exists,
+    require_complete,
+)
+from engine.storage.lineage import checkpoint_step
+from engine.train.sharded_checkpoint import is_sharded, load_sharded
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    uri: str
+    step: int
+    kind: Literal["checkpoint", "hf"]
+
+
+def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> PolicySource:
+    """``checkpoint``: None (the run's latest complete checkpoint, else its latest HF export), a step
+    number of the run, or the URI of a checkpoint or HF folder. A clear ``CheckpointError`` otherwise."""
+    options = config.storage_options
+    trainer = SaveStore(config.checkpoint_uri, options)
+    if checkpoint is None:
+        latest = trainer.latest() or SaveStore(config.hf_uri, options).latest()
+        if latest is None:
+            raise CheckpointError(f"{config.run_uri} has no complete checkpoint or HF export yet.")
+        step, uri = latest
+        return PolicySource(uri, step, "checkpoint" if uri.startswith(config.checkpoint_uri) else "hf")
+    if checkpoint.strip().isdigit():
+        step = int(checkpoint)
+        if not trainer.is_complete(step):
+            complete = trainer.complete_steps()
+            raise CheckpointError(
+                f"{config.run_uri} has no complete checkpoint of step {step}; complete ones: {', '.join(map(str, complete)) or 'none'}."
+            )
+        return PolicySource(trainer.uri(step), step, "checkpoint")
+    uri = checkpoint.rstrip("/")
+    if exists(f"{uri}/config.json", options):
+        return PolicySource(uri, checkpoint_step(uri) or 0, "hf")
+    state = require_complete(uri, options)  # says whether it is missing or incomplete
+    return PolicySource(uri, int(state["step"]), "checkpoint")
+
+
+@contextmanager
+def local_folder(uri: str, storage_options: dict) -> Iterator[str]:
+    """A local copy of a folder (the folder itself when it is local)."""
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+    if "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        fs.get(f"{path.rstrip('/')}/", tmp, recursive=True)
+        yield tmp
+
+
+def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
+    """The policy model of ``source``, on CPU in float32, in eval mode."""
+    options = config.storage_options
+    if source.kind == "hf":
+        with local_folder(source.uri, options) as folder:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with local_folder(config.load_from, {}) as folder:  # the architecture; its weights are replaced
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if is_sharded(source.uri, options):
+        load_sharded(source.uri, options, model, None)
+        return model.eval()
+    with downloaded(f"{source.uri}/model.safetensors", options) as local:
+        with safe_open(local, framework="pt") as handle:
+            aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
+        missing, unexpected = model.load_state_dict(load_file(local), strict=False)
+    if not set(missing) <= set(aliases) or unexpected:
+        raise CheckpointError(f"{source.uri} does not match {config.load_from}: missing {missing}, unexpected {unexpected}.")
+    model.tie_weights()
+    return model.eval()
+
+
+def policy_weights(config: TrellisConfig, source: PolicySource) -> dict[str, torch.Tensor]:
+    return dict(load_policy(config, source).state_dict())

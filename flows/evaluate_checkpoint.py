@@ -1,0 +1,16 @@
+"""Evaluate a run's checkpoint (its latest complete one, or the one given) on its eval set: eval rows
+into the lake, pass@k by data source as an artifact, the evaluation into the run's lineage. A
+schedule on its deployment evaluates whatever the run saved last."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from engine.config import TrellisConfig
+from tasks.offline_tasks import evaluate_checkpoint_task
+
+
+@flow(name="evaluate_checkpoint", flow_run_name="evaluate_checkpoint[{config.experiment_name}]", persist_result=False)
+def evaluate_checkpoint(config: TrellisConfig, checkpoint: str | None = None) -> dict[str, float]:
+    """``checkpoint``: a step number of the run, a checkpoint or HF folder URI, or empty for the latest."""
+    return evaluate_checkpoint_task(config, checkpoint)

@@ -1,0 +1,64 @@
+"""Tasks of the flows that work on a run's stored results (evaluate a checkpoint, rescore stored
+trajectories, export a checkpoint): each does its work in the flow's own process and leaves Prefect
+artifacts that say what it found and where it wrote."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.runtime import flow_run
+
+from engine.config import RewardConfig, TrellisConfig
+from engine.run.evaluate_checkpoint import evaluate_checkpoint
+from engine.run.export import export_checkpoint
+from engine.run.rescore import rescore_run
+from engine.secrets import install_log_redaction
+from tasks.artifacts import artifact_key, storage_link
+from tasks.step_tasks import NOT_STORED
+
+
+def _flow_run_id() -> str | None:
+    run_id = flow_run.get_id()
+    return str(run_id) if run_id else None
+
+
+@task(name="evaluate_checkpoint", **NOT_STORED)
+def evaluate_checkpoint_task(config: TrellisConfig, checkpoint: str | None) -> dict[str, float]:
+    install_log_redaction(config.storage_options)
+    evaluation = evaluate_checkpoint(config, checkpoint, _flow_run_id())
+    step = evaluation.source.step
+    create_table_artifact(
+        key=artifact_key(config, "checkpoint-eval"),
+        table=[{"data_source": source, **{k: round(v, 4) for k, v in figures.items()}} for source, figures in evaluation.by_data_source.items()],
+        description=f"{config.experiment_name}: evaluation of {evaluation.source.uri} (step {step}), by data source",
+    )
+    create_link_artifact(
+        key=artifact_key(config, "checkpoint-eval-rows"),
+        link=storage_link(config, evaluation.partition),
+        link_text=f"eval rows of step {step}: {evaluation.partition}",
+    )
+    return {"step": float(step), **evaluation.metrics}
+
+
+@task(name="export", **NOT_STORED)
+def export_task(config: TrellisConfig, checkpoint: str | None, out: str | None) -> str:
+    install_log_redaction(config.storage_options)
+    source, uri = export_checkpoint(config, checkpoint, out, _flow_run_id())
+    create_link_artifact(key=artifact_key(config, "export"), link=storage_link(config, uri), link_text=f"HF export of step {source.step}: {uri}")
+    return uri
+
+
+@task(name="rescore", **NOT_STORED)
+def rescore_task(config: TrellisConfig, reward_function: str, split: str, steps: list[int] | None, into: str | None) -> str:
+    install_log_redaction(config.storage_options)
+    reward = RewardConfig(function=reward_function, timeout_s=config.reward.timeout_s, num_workers=config.reward.num_workers)
+    result = rescore_run(
+        config.run_uri, reward, storage_options=config.storage_options, split=split, steps=steps, into=into, flow_run_id=_flow_run_id()
+    )
+    create_table_artifact(
+        key=artifact_key(config, "rescore"),
+        table=result.table(),
+        description=f"{config.experiment_name}: split={split} rescored by {reward_function} into split={result.split} "
+        f"(old and new mean reward per step; agreement = both call a sample correct, or both wrong)",
+    )
+    return result.split
