@@ -1,0 +1,194 @@
+"""`trellis runs ls`, `trellis trajectories query` and `trellis trajectories show` on one real in-process
+run, locally and copied into an S3 bucket (moto): the answers match the files, and what a new user
+mistypes ends in one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from deployments.cli_lake import runs_app, trajectories_app
+from engine.run.local import LocalRun
+from engine.storage.lake_query import QueryError, query
+from engine.storage.runs import RunRef
+from helpers import moto_s3_server, tiny_config
+
+RUN = "lake"
+BUCKET = "lake-shell"
+REWARDS_PER_STEP = "SELECT step, avg(reward) AS reward FROM trajectories WHERE split='train' GROUP BY step ORDER BY step"
+
+app = typer.Typer()
+app.add_typer(runs_app, name="runs")
+app.add_typer(trajectories_app, name="trajectories")
+
+
+def trellis(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def work_dir(tiny_model, reverse_data, tmp_path_factory):
+    """Two steps of 4 prompts x 4 samples; evaluated at steps 0 and 2, checkpointed and exported at 2."""
+    root = tmp_path_factory.mktemp("work")
+    config = tiny_config(
+        tiny_model, reverse_data, root, experiment_name=RUN,
+        total_train_steps=2, train_batch_size=4, prompt_repeat_k=4, hf_interval=2,
+        eval_dataset={"path": str(reverse_data["eval"]), "max_prompt_length": 64, "limit": 8},
+    )
+    with LocalRun(config) as run:
+        run.run()
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3_work_dir(work_dir):
+    """The same run copied into a bucket; credentials come from the environment, as an operator's would."""
+    with moto_s3_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "lake-key")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "lake-secret")
+        s3 = fsspec.filesystem("s3", endpoint_url=endpoint)
+        s3.mkdir(BUCKET)
+        s3.put(str(work_dir / RUN), f"{BUCKET}/work/{RUN}", recursive=True)
+        yield f"s3://{BUCKET}/work", endpoint
+
+
+def metrics(work_dir) -> dict[int, dict]:
+    lines = (work_dir / RUN / "logs" / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record for record in map(json.loads, lines)}
+
+
+def part(work_dir, split: str, step: int) -> list[dict]:
+    return pq.read_table(work_dir / RUN / "trajectories" / f"split={split}" / f"step={step:06d}" / "part-0.parquet").to_pylist()
+
+
+def json_rows(result) -> list[dict]:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_runs_ls_shows_steps_reward_eval_and_checkpoints(work_dir):
+    result = trellis("runs", "ls", str(work_dir))
+    assert result.exit_code == 0, result.stderr
+    header, line = result.stdout.splitlines()
+    assert header.split() == ["RUN", "STEPS", "REWARD", "EVAL", "ACC@STEP", "CHECKPOINTS", "HF"]
+    logged = metrics(work_dir)
+    assert line.split() == [RUN, "2/2", f"{logged[2]['response/rewards/mean']:.3f}", f"{logged[2]['eval/accuracy']:.3f}@2", "2", "2"]
+
+
+def test_query_answers_as_pyarrow_reads_the_parts(work_dir):
+    answer = json_rows(trellis("trajectories", "query", RUN, REWARDS_PER_STEP, "--work-dir", str(work_dir), "--format", "json"))
+    expected = []
+    for step in (1, 2):
+        rewards = [row["reward"] for row in part(work_dir, "train", step)]
+        expected.append({"step": step, "reward": pytest.approx(sum(rewards) / len(rewards), rel=1e-12)})
+    assert answer == expected
+
+    partitions = "SELECT split, step, count(*) AS n FROM trajectories GROUP BY ALL ORDER BY split, step"
+    counts = json_rows(trellis("trajectories", "query", RUN, partitions, "--work-dir", str(work_dir), "--format", "json"))
+    assert counts == [
+        {"split": split, "step": step, "n": len(part(work_dir, split, step))}
+        for split, step in [("eval", 0), ("eval", 2), ("train", 1), ("train", 2)]
+    ]
+    # Filters on the partition columns select exactly that part.
+    one_part = "SELECT rollout_id FROM trajectories WHERE split = 'eval' AND step = 2 ORDER BY rollout_id"
+    ids = json_rows(trellis("trajectories", "query", RUN, one_part, "--work-dir", str(work_dir), "--format", "json"))
+    assert [row["rollout_id"] for row in ids] == sorted(row["rollout_id"] for row in part(work_dir, "eval", 2))
+
+
+def test_query_reads_the_ledger_and_prints_a_table_and_csv(work_dir):
+    per_step = "SELECT step, count(*) AS groups, sum(samples) AS samples FROM ledger GROUP BY step ORDER BY step"
+    assert json_rows(trellis("trajectories", "query", RUN, per_step, "--work-dir", str(work_dir), "--format", "json")) == [
+        {"step": 1, "groups": 4, "samples": 16}, {"step": 2, "groups": 4, "samples": 16},
+    ]
+    table = trellis("trajectories", "query", str(work_dir / RUN), per_step)  # the run folder itself names the run
+    assert table.stdout.splitlines() == ["step  groups  samples", "   1       4       16", "   2       4       16", "(2 rows)"]
+    csv = trellis("trajectories", "query", RUN, per_step, "--work-dir", str(work_dir), "--format", "csv")
+    assert csv.stdout.splitlines() == ["step,groups,samples", "1,4,16", "2,4,16"]
+
+
+def test_show_prints_the_stored_prompts_responses_and_rewards(work_dir):
+    result = trellis("trajectories", "show", RUN, "--step", "2", "--work-dir", str(work_dir), "--limit", "0")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{RUN} · train step 2 · 4 prompts"
+    for row in part(work_dir, "train", 2):
+        assert f"{row['reward']:6.2f}  {row['response']}" in lines
+        assert f"  prompt: {row['prompt'][0]['content']}" in lines
+    assert len([line for line in lines if line.startswith("train-000002-g")]) == 4
+
+    first = trellis("trajectories", "show", f"{RUN}@2", "--split", "eval", "--limit", "1", "--work-dir", str(work_dir))
+    assert first.stdout.splitlines()[0] == f"{RUN} · eval step 2 · the first 1 prompts"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["trajectories", "query", "lkae", "SELECT 1"], f"No run named 'lkae' under {{work}}. Runs there: {RUN}."),
+        (["trajectories", "show", RUN, "--step", "5"], f"{RUN} has no train step 5; stored train steps: 1-2."),
+        (["trajectories", "show", RUN, "--step", "1", "--split", "test"], f"{RUN} has no 'test' split; stored splits: eval, train."),
+        (["trajectories", "query", RUN, "SELEC step FROM trajectories"], 'Parser Error: syntax error at or near "SELEC"'),
+        (["trajectories", "query", RUN, "SELECT rewards FROM trajectories"], 'Referenced column "rewards" not found'),
+        (["trajectories", "query", RUN, "SELECT * FROM trajectory"], "Table with name trajectory does not exist"),
+    ],
+)
+def test_a_mistyped_command_says_what_exists_in_one_line(work_dir, args, message):
+    result = trellis(*args, "--work-dir", str(work_dir))
+    assert result.exit_code == 2
+    assert message.format(work=work_dir) in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_missing_column_lists_the_columns(work_dir):
+    result = trellis("trajectories", "query", RUN, "SELECT rewards FROM trajectories", "--work-dir", str(work_dir))
+    assert "Columns of trajectories: run, train_step," in result.stderr and ", reward, " in result.stderr
+    assert ", split, step." in result.stderr
+
+
+def test_a_column_added_later_reads_as_null_in_the_parts_written_before_it(work_dir, tmp_path):
+    shutil.copytree(work_dir / RUN / "trajectories", tmp_path / RUN / "trajectories")
+    newer = tmp_path / RUN / "trajectories" / "split=train" / "step=000002" / "part-0.parquet"
+    table = pq.read_table(newer)
+    pq.write_table(table.append_column("added_later", pa.array(["x"] * table.num_rows)), newer)
+
+    counts = query(RunRef(str(tmp_path / RUN)), "SELECT step, count(added_later) AS n FROM trajectories GROUP BY step ORDER BY step")
+    assert counts.to_pylist() == [{"step": 0, "n": 0}, {"step": 1, "n": 0}, {"step": 2, "n": table.num_rows}]
+
+
+def test_a_work_dir_that_does_not_exist(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    listed = trellis("runs", "ls", missing)
+    assert listed.exit_code == 2 and listed.stderr == f"work_dir {missing} does not exist.\n"
+    queried = trellis("trajectories", "query", RUN, "SELECT 1", "--work-dir", missing)
+    assert queried.exit_code == 2 and queried.stderr == f"No run named '{RUN}': work_dir {missing} does not exist.\n"
+
+
+def test_a_run_without_trajectories_yet(tmp_path):
+    (tmp_path / "starting" / "logs").mkdir(parents=True)
+    listed = trellis("runs", "ls", str(tmp_path))
+    assert listed.stdout.splitlines()[1].split() == ["starting", "-/-", "-", "-", "-", "-"]
+    with pytest.raises(QueryError, match="starting has no trajectories yet"):
+        query(RunRef(str(tmp_path / "starting")), "SELECT count(*) FROM trajectories")
+    shown = trellis("trajectories", "show", "starting", "--step", "1", "--work-dir", str(tmp_path))
+    assert shown.exit_code == 2 and "starting has no trajectories yet" in shown.stderr
+
+
+def test_on_s3_the_commands_answer_as_they_do_locally(work_dir, s3_work_dir):
+    s3_root, endpoint = s3_work_dir
+    storage = ["-o", f"endpoint_url={endpoint}"]
+    local, remote = trellis("runs", "ls", str(work_dir)), trellis("runs", "ls", s3_root, *storage)
+    assert remote.exit_code == 0, remote.stderr
+    assert remote.stdout == local.stdout
+
+    for sql in (REWARDS_PER_STEP, "SELECT split, step, count(*) AS n FROM trajectories GROUP BY ALL ORDER BY ALL"):
+        on_s3 = trellis("trajectories", "query", RUN, sql, "--work-dir", s3_root, *storage, "--format", "json")
+        assert json_rows(on_s3) == json_rows(trellis("trajectories", "query", RUN, sql, "--work-dir", str(work_dir), "--format", "json"))
+
+    missing = trellis("trajectories", "show", f"{s3_root}/{RUN}", "--step", "9", *storage)
+    assert missing.exit_code == 2 and "stored train steps: 1-2" in missing.stderr
