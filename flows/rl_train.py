@@ -24,6 +24,7 @@ from tasks.run_tasks import (
     attach_workers,
     close_trackers,
     engine_warnings_in_run_log,
+    publish_report,
     release_workers,
     restore_checkpoint,
 )
@@ -61,6 +62,7 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     if config.disaggregated and plan.first_step <= plan.total_steps:
         phases.pause_produce(plan.total_steps)
     close_trackers(config)
+    publish_report(config)
     if config.cluster.release_workers_at_end:
         release_workers(config)
     return metrics

@@ -14,6 +14,7 @@ from engine.run.export import export_checkpoint
 from engine.run.rescore import rescore_run
 from engine.secrets import install_log_redaction
 from tasks.artifacts import artifact_key, storage_link
+from tasks.run_tasks import publish_report
 from tasks.step_tasks import NOT_STORED
 
 
@@ -37,6 +38,7 @@ def evaluate_checkpoint_task(config: TrellisConfig, checkpoint: str | None) -> d
         link=storage_link(config, evaluation.partition),
         link_text=f"eval rows of step {step}: {evaluation.partition}",
     )
+    publish_report(config)
     return {"step": float(step), **evaluation.metrics}
 
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from engine.cluster.head import connect
@@ -19,10 +19,11 @@ from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
 from engine.run.resume import plan_start, record_owner, started_by
 from engine.run.run_log import RunLog, RunLogHandler, record_start, run_log_for
-from engine.storage.lineage import record_run_origin
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
-from tasks.artifacts import artifact_key
+from engine.storage.lineage import record_run_origin
+from engine.storage.report import write_report
+from tasks.artifacts import artifact_key, storage_link
 from tasks.step_tasks import NOT_STORED
 
 
@@ -70,6 +71,23 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
 @task(name="release_workers", **NOT_STORED)
 def release_workers(config: TrellisConfig) -> None:
     RunWorkers(config).release()
+
+
+@task(name="publish_report", **NOT_STORED)
+def publish_report(config: TrellisConfig) -> str | None:
+    """The run's report (``engine.storage.report``) beside it, and its headline as an artifact. A report
+    that cannot be drawn is a warning, never a failed run."""
+    try:
+        report = write_report(config.run_uri, storage_options=config.storage_options)
+    except Exception as error:
+        run_log_for(config).warning(f"no report: {type(error).__name__}: {error}")
+        return None
+    create_markdown_artifact(
+        key=artifact_key(config, "report"),
+        markdown=report.markdown(storage_link(config, report.html_uri)),
+        description=f"{config.experiment_name}: the run's report",
+    )
+    return report.html_uri
 
 
 @task(name="close_trackers", **NOT_STORED)

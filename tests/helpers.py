@@ -47,7 +47,8 @@ def logged_metrics(config) -> dict[int, dict[str, float]]:
 
 
 def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
-    """Every stored row of a split, ordered by rollout id, without the run name (it differs between runs)."""
+    """Every stored row of a split, ordered by rollout id, without what names the run that wrote it (the
+    run's name, its flow run and the URIs of its checkpoints differ between runs)."""
     fs, root = fsspec.core.url_to_fs(f"{config.run_uri}/trajectories/split={split}", **config.storage_options)
     fs.invalidate_cache()
     rows = []
@@ -55,7 +56,8 @@ def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
         with fs.open(path, "rb") as handle:
             rows.extend(pq.read_table(handle).to_pylist())
     for row in rows:
-        row.pop("run")
+        for name in ("run", "flow_run_id", "checkpoint"):
+            row.pop(name)
     return sorted(rows, key=lambda r: r["rollout_id"])
 
 

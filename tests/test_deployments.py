@@ -18,15 +18,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_prefect_yaml_is_rendered_from_the_configs():
     assert PREFECT_YAML.read_text() == render(bundled_configs()), "run `trellis deployments render`"
     spec = yaml.safe_load(PREFECT_YAML.read_text())
-    deployments = {d["name"]: d for d in spec["deployments"]}
-    assert sorted(deployments) == ["tiny-reverse", "tiny-reverse-async"]  # one per file of configs/
-    for name, train in deployments.items():
-        module, _, flow_name = train["entrypoint"].partition(":")
-        assert (ROOT / module).exists() and flow_name == "rl_train"
+    deployments = {(d["entrypoint"].rpartition(":")[2], d["name"]): d for d in spec["deployments"]}
+    names = ["tiny-reverse", "tiny-reverse-async"]  # one of each flow per file of configs/
+    flows = ["evaluate_checkpoint", "export", "rescore", "rl_train"]
+    assert sorted(deployments) == [(flow, name) for flow in flows for name in names]
+    for (flow_name, name), deployment_spec in deployments.items():
+        module = deployment_spec["entrypoint"].partition(":")[0]
+        assert (ROOT / module).exists() and module == f"flows/{flow_name}.py"
         config_file = ROOT / "configs" / f"{name.replace('-', '_')}.yaml"
-        assert train["parameters"]["config"] == yaml.safe_load(config_file.read_text())
-        TrellisConfig.model_validate(train["parameters"]["config"])  # the parameter is schema-checked
-        assert train["schedules"][0]["cron"] == "0 2 * * *" and train["work_pool"]["name"] == "trellis-local"
+        assert deployment_spec["parameters"]["config"] == yaml.safe_load(config_file.read_text())
+        TrellisConfig.model_validate(deployment_spec["parameters"]["config"])  # the parameter is schema-checked
+        assert deployment_spec["work_pool"]["name"] == "trellis-local"
+        if flow_name == "rl_train":
+            assert deployment_spec["schedules"][0]["cron"] == "0 2 * * *"
+        if flow_name == "evaluate_checkpoint":
+            assert deployment_spec["schedules"][0]["interval"] == 3600
+    assert deployments[("rescore", "tiny-reverse")]["parameters"]["reward_function"] == "engine.tiny.reverse_task:partial_score"
 
 
 def test_a_changed_config_changes_the_rendering(tmp_path):

@@ -100,6 +100,10 @@ def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
     assert not kill_file.exists()
     (run,) = flow_runs("rl_run[trainer_killed]")
     assert run.run_count == 2 and run.state_name == "Completed"
+    log = (Path(config.log_uri) / "run.log").read_text()  # what the operator reads: the failure, its actor, the retry
+    failure = next(line for line in log.splitlines() if " ERROR step 3 failed: " in line)
+    assert "trainer_killed-trainer" in failure, failure  # the actor, by name
+    assert " WARNING attempt 2 of the run (a Prefect retry): from checkpoint " in log and "step-000002 (step 2)" in log
     rows = lake_rows(config)
     assert len(rows) == STEPS * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     assert rows == lake_rows(uninterrupted)

@@ -169,6 +169,8 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
 
     retried = [run for run in await_(step_task_runs(f"rl_run[{config.experiment_name}]")) if run.run_count > 1]
     assert [(run.name, run.run_count, run.state_name) for run in retried] == [(f"{retried_task}[step=2]", 2, "Completed")]
+    log = (Path(config.log_uri) / "run.log").read_text()
+    assert f"WARNING {retried_task}[step=2]: retry 1 after a failure; replacing lost rollout workers" in log
     assert not kill_file.exists()
     rows = read_lake(config).to_pylist()
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)

@@ -110,7 +110,8 @@ def test_the_deployments_ran_as_flow_runs_with_task_runs_and_artifacts(served_ru
     assert {"produce_batch[step=3]", "fit[step=3]", "save_checkpoint[step=3]", "evaluate[step=3]", "commit_checkpoint[step=3]"} <= {t.name for t in tasks}
     assert all(t.state.is_completed() for t in tasks)
     keys = {a.key for a in read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter()))}
-    assert {"served-step-metrics", "served-checkpoint", "served-trajectories", "served-checkpoint-eval", "served-rescore", "served-export"} <= keys
+    assert {"served-step-metrics", "served-checkpoint", "served-trajectories", "served-checkpoint-eval", "served-rescore", "served-export",
+            "served-report"} <= keys
     evaluation_tables = read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["served-checkpoint-eval"]})))
     table = json.loads(evaluation_tables[0].data)
     assert table[0]["data_source"] and 0.0 <= table[0]["accuracy"] <= 1.0
@@ -165,6 +166,8 @@ def test_a_fork_starts_at_the_checkpoint_it_forks_and_says_so(served_run, server
     path.write_text(yaml.safe_dump(config))
     forked = trellis("train", str(path), "--fork", "served@3", env=server["env"])
     assert forked.returncode == 0, forked.stdout[-2000:] + forked.stderr[-3000:]
+    assert "run forked: from checkpoint served/checkpoints/step-000003 (step 3)" in forked.stdout.replace(str(served_run["work_dir"]) + "/", "")
+    assert "train prompts: 4096 rows read, all usable" in forked.stdout  # the run log, tailed beside the bar
     fork_run = served_run["work_dir"] / "forked"
     plan = json.loads((fork_run / "logs" / "run_plan.json").read_text())
     assert plan["start"]["step"] == 3 and plan["start"]["checkpoint"].endswith("served/checkpoints/step-000003")

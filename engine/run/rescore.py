@@ -83,7 +83,7 @@ def rescore_run(
 def _read_rows(uri: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     fs, path = fsspec.core.url_to_fs(uri, **options)
     with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle)
+        table = pq.read_table(handle, use_threads=False)  # threaded reads of a file object can abort at exit (apache/arrow#34314)
     rows = table.to_pylist()
     for row in rows:  # partitions written before a column existed read back without it
         for name in SCHEMA.names:

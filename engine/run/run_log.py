@@ -152,12 +152,16 @@ def record_start(config, plan, attempt: int = 1) -> None:
     log = run_log_for(config)
     log.total_steps = plan.total_steps
     start = plan.start
+    if start.action == "fresh":
+        where = f"a fresh start, {plan.total_steps} steps"
+    elif start.action == "restore":
+        where = f"from checkpoint {start.checkpoint} (step {start.step}), to step {plan.total_steps}"
+    else:  # the live workers are used as they are (reattach, continue) or dropped (restart)
+        where = f"{start.action} at step {start.step}, to step {plan.total_steps}"
     if attempt > 1:
-        log.warning(f"attempt {attempt} of the run (a Prefect retry): {start.action} at step {start.step} {start.checkpoint or ''}".rstrip())
-    elif start.action == "fresh":
-        log.info(f"run {config.experiment_name}: a fresh start, {plan.total_steps} steps")
+        log.warning(f"attempt {attempt} of the run (a Prefect retry): {where}")
     else:
-        log.info(f"run {config.experiment_name}: {start.action} at step {start.step} {start.checkpoint or ''}".rstrip())
+        log.info(f"run {config.experiment_name}: {where}")
     if plan.train_report:
         skipped = "skipped" in plan.train_report
         (log.warning if skipped else log.info)(f"train prompts: {plan.train_report}")

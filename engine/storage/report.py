@@ -67,11 +67,11 @@ class Report:
     png_uris: dict[str, str]  # panel name -> URI of its PNG
     headline: dict[str, Any] = field(default_factory=dict)  # see headline_figures
 
-    def markdown(self) -> str:
-        """The headline table and a link to the full report (for a Prefect artifact)."""
+    def markdown(self, link: str | None = None) -> str:
+        """The headline table and a link (default: the page's URI) to the full report, for a Prefect artifact."""
         lines = ["| | |", "| --- | --- |"]
         lines += [f"| {label} | {text} |" for label, text in headline_rows(self.headline)]
-        return "\n".join(lines + ["", f"Plots: [{self.html_uri}]({self.html_uri})"])
+        return "\n".join(lines + ["", f"Plots: [{self.html_uri}]({link or self.html_uri})"])
 
 
 def write_report(run_uri: str, out_uri: str | None = None, storage_options: dict | None = None) -> Report:
