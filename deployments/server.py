@@ -61,8 +61,8 @@ def _prefect() -> str:
     return str(Path(sys.executable).with_name("prefect"))
 
 
-def child_env(home: str, api_url: str, database_url: str | None = None) -> dict[str, str]:
-    """The environment of the server, the worker and the flow runs the worker starts."""
+def child_env(home: str, api_url: str) -> dict[str, str]:
+    """The environment of the worker and the flow runs it starts (and the server's, plus its database)."""
     env = dict(os.environ)
     env.update(
         PREFECT_HOME=str(prefect_home(home)),
@@ -70,11 +70,11 @@ def child_env(home: str, api_url: str, database_url: str | None = None) -> dict[
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",  # deployment runs start within seconds
     )
-    if database_url:
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
-    else:
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{prefect_home(home) / 'prefect.db'}"
     return env
+
+
+def database(home: str, database_url: str | None) -> str:
+    return database_url or f"sqlite+aiosqlite:///{prefect_home(home) / 'prefect.db'}"
 
 
 def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -142,13 +142,14 @@ def start(home: str = "~/.trellis", port: int = 4200, database_url: str | None =
     url = f"http://127.0.0.1:{port}"
     if is_healthy(url):
         raise ServerError(f"Something else already answers at {url}: stop it, or pick another --port.")
-    env = child_env(home, f"{url}/api", database_url)
+    env = child_env(home, f"{url}/api")  # the database URL (and its password) goes to the server alone
+    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": database(home, database_url)}
     server_log, worker_log = folder / "server.log", folder / "worker.log"
-    server = _spawn([_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, server_log)
+    server = _spawn([_prefect(), "server", "start", "--host", "127.0.0.1", "--port", str(port)], server_env, server_log)
     _wait_healthy(url, server, server_log, STARTUP_TIMEOUT_S)
     _ensure_pool(url)
     worker = _spawn([_prefect(), "worker", "start", "--pool", POOL, "--type", "process"], env, worker_log)
-    state = ServerState(url, server.pid, worker.pid, str(Path(home).expanduser()), redact_url_passwords(env["PREFECT_API_DATABASE_CONNECTION_URL"]))
+    state = ServerState(url, server.pid, worker.pid, str(Path(home).expanduser()), redact_url_passwords(database(home, database_url)))
     _state_file(home).write_text(json.dumps(asdict(state), indent=2))
     if deploy:
         apply_deployments(state)
@@ -177,7 +178,6 @@ def apply_deployments(state: ServerState, prefect_yaml: Path | None = None) -> N
     from deployments.render import PREFECT_YAML
 
     env = child_env(state.home, state.api_url)
-    env.pop("PREFECT_API_DATABASE_CONNECTION_URL")
     done = subprocess.run(
         [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml or PREFECT_YAML), "--all"],
         env=env, cwd=ROOT, capture_output=True, text=True,
