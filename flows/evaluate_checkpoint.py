@@ -11,6 +11,9 @@ from tasks.offline_tasks import evaluate_checkpoint_task
 
 
 @flow(name="evaluate_checkpoint", flow_run_name="evaluate_checkpoint[{config.experiment_name}]", persist_result=False)
-def evaluate_checkpoint(config: TrellisConfig, checkpoint: str | None = None) -> dict[str, float]:
-    """``checkpoint``: a step number of the run, a checkpoint or HF folder URI, or empty for the latest."""
-    return evaluate_checkpoint_task(config, checkpoint)
+def evaluate_checkpoint(
+    config: TrellisConfig, checkpoint: str | None = None, samples_per_prompt: int | None = None, temperature: float | None = None
+) -> dict[str, float]:
+    """``checkpoint``: a step number of the run, a checkpoint or HF folder URI, or empty for the latest.
+    ``samples_per_prompt`` (k of pass@k) and ``temperature`` replace the config's eval settings."""
+    return evaluate_checkpoint_task(config, checkpoint, samples_per_prompt, temperature)

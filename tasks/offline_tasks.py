@@ -24,9 +24,11 @@ def _flow_run_id() -> str | None:
 
 
 @task(name="evaluate_checkpoint", **NOT_STORED)
-def evaluate_checkpoint_task(config: TrellisConfig, checkpoint: str | None) -> dict[str, float]:
+def evaluate_checkpoint_task(
+    config: TrellisConfig, checkpoint: str | None, samples_per_prompt: int | None, temperature: float | None
+) -> dict[str, float]:
     install_log_redaction(config.storage_options)
-    evaluation = evaluate_checkpoint(config, checkpoint, _flow_run_id())
+    evaluation = evaluate_checkpoint(config, checkpoint, _flow_run_id(), samples_per_prompt=samples_per_prompt, temperature=temperature)
     step = evaluation.source.step
     create_table_artifact(
         key=artifact_key(config, "checkpoint-eval"),

@@ -92,7 +92,7 @@ def served_run(server, client, tiny_model, reverse_data, ray_cluster, tmp_path_f
     config = run_config(tiny_model, reverse_data, work_dir, ray_cluster)
     runs = {
         "train": run_deployment("rl_train/tiny-reverse", {"config": config}),
-        "evaluate": run_deployment("evaluate_checkpoint/tiny-reverse", {"config": config}),
+        "evaluate": run_deployment("evaluate_checkpoint/tiny-reverse", {"config": config, "samples_per_prompt": 4, "temperature": 1.0}),
         "rescore": run_deployment("rescore/tiny-reverse", {"config": config}),
         "export": run_deployment("export/tiny-reverse", {"config": config, "out": str(work_dir / "exported")}),
     }
@@ -114,7 +114,8 @@ def test_the_deployments_ran_as_flow_runs_with_task_runs_and_artifacts(served_ru
             "served-report"} <= keys
     evaluation_tables = read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["served-checkpoint-eval"]})))
     table = json.loads(evaluation_tables[0].data)
-    assert table[0]["data_source"] and 0.0 <= table[0]["accuracy"] <= 1.0
+    assert table[0]["data_source"] == "reverse" and 0.0 <= table[0]["accuracy"] <= table[0]["pass@4"] <= 1.0
+    assert table[0]["samples"] == 32 * 4  # the eval set's 32 prompts, 4 samples each
     for kind in ("evaluate", "rescore", "export"):
         flow_run_id = served_run["flow_runs"][kind].id
         tasks = read(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]})))

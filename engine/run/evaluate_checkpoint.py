@@ -27,9 +27,22 @@ class CheckpointEvaluation:
     by_data_source: dict[str, dict[str, float]]
 
 
-def evaluate_checkpoint(config: TrellisConfig, checkpoint: str | None = None, flow_run_id: str | None = None) -> CheckpointEvaluation:
+def evaluate_checkpoint(
+    config: TrellisConfig,
+    checkpoint: str | None = None,
+    flow_run_id: str | None = None,
+    *,
+    samples_per_prompt: int | None = None,
+    temperature: float | None = None,
+) -> CheckpointEvaluation:
+    """``samples_per_prompt`` and ``temperature`` replace the config's eval settings (pass@k needs
+    k > 1 samples, and sampling rather than greedy decoding, to say more than accuracy)."""
     if config.eval_dataset is None:
         raise EvaluationError(f"{config.experiment_name}: the config has no eval_dataset to evaluate on.")
+    changes = {"eval_samples_per_prompt": samples_per_prompt, "eval_temperature": temperature}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        config = config.model_copy(update={"rollout": config.rollout.model_validate({**config.rollout.model_dump(), **changes})})
     source = resolve_source(config, checkpoint)
     set_up_process(config)
     controller = Controller(config)
