@@ -66,3 +66,31 @@ def test_builtin_exact_match_and_math_verifier():
     assert math_answer({"response": "\\boxed{\\frac{1}{2}} or 7", "label": "\\frac{1}{2}"})["score"] == 1.0
     assert math_answer({"response": "the answer is 41", "label": "42"}) == {"score": 0.0, "extracted": "41"}
     assert math_answer({"response": "no idea", "label": "42"})["score"] == 0.0
+
+
+def hangs_on_h(sample):
+    if sample["response"].startswith("h"):
+        with open(sample["starts"], "a") as starts:
+            starts.write(f"{time.time()}\n")
+        time.sleep(3600)
+    return 1.0 if sample["response"] == sample["label"] else 0.0
+
+
+def test_hung_calls_of_a_batch_run_out_their_timeouts_together_not_one_after_another(tmp_path):
+    """5 of 128 samples hang, on one worker. A pool that runs the calls in order starts each hung call
+    only when the one before it was killed (five timeouts in all); here they all start within one
+    timeout, every other sample is scored, and the runner is as good as new for the next batch
+    (bench/reward_timeouts.py measures the wall time)."""
+    starts = tmp_path / "starts"
+    responses = ["a"] * 123 + ["h"] * 5
+    responses = responses[::2] + responses[1::2]  # the hung ones are spread through the batch
+    samples = [{**sample, "starts": str(starts)} for sample in _samples(*responses)]
+    with RewardRunner(RewardConfig(function=f"{__name__}:hangs_on_h", timeout_s=2.0, num_workers=1)) as runner:
+        results = runner.score(samples)
+        timed_out = [r for r in results if r.error is not None]
+        assert len(timed_out) == 5 and {r.error for r in timed_out} == {"reward function timed out after 2s"}
+        assert [r.score for r in results if r.error is None] == [1.0] * 123
+        started = [float(line) for line in starts.read_text().split()]
+        assert len(started) == 5 and max(started) - min(started) < 2.0  # in order, they would be >= 8 s apart
+        (again,) = runner.score(_samples("a"))
+        assert again.score == 1.0

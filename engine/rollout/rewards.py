@@ -10,16 +10,14 @@ its sample FAILED with the reason, and never crashes or hangs the step (the stuc
 from __future__ import annotations
 
 import math
-import multiprocessing
 import re
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pebble import ProcessPool
-
 from engine.config import RewardConfig
+from engine.rollout.bounded_calls import BoundedCalls
 from engine.secrets import redact
 from engine.user_code import check_takes_one_argument, load_function
 
@@ -60,20 +58,16 @@ class RewardRunner:
         self._config = config
         for spec in (config.function, *config.by_data_source.values()):
             resolve_function(spec)  # fail at start-up, not mid-run, on a misspelt function
-        # fork, not spawn: spawn re-runs the user's __main__ script in every worker, which breaks any
-        # script without an `if __name__ == "__main__"` guard. Reward code should not use torch threads.
-        self._pool = ProcessPool(max_workers=config.num_workers, context=multiprocessing.get_context("fork"))
+        # Reward code should not use torch threads: the workers are forked from this process.
+        self._calls = BoundedCalls(config.num_workers, config.timeout_s)
 
     def score(self, samples: list[dict[str, Any]]) -> list[RewardResult]:
-        futures = [
-            self._pool.schedule(call_reward, args=(self._spec_for(sample), sample), timeout=self._config.timeout_s)
-            for sample in samples
-        ]
+        """A batch's scores; calls that hang cost the batch about one ``timeout_s`` together."""
+        futures = self._calls.map(call_reward, [(self._spec_for(sample), sample) for sample in samples])
         return [self._collect(future) for future in futures]
 
     def close(self) -> None:
-        self._pool.stop()
-        self._pool.join(timeout=5)
+        self._calls.close()
 
     def __enter__(self) -> RewardRunner:
         return self
