@@ -6,7 +6,6 @@ DCP shards under ``model/``) or an HF folder (``hf/step-N``, or any ``save_pretr
 
 from __future__ import annotations
 
-import json
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,16 +13,15 @@ from typing import Iterator, Literal
 
 import fsspec
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from engine.config import TrellisConfig
 from engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
-    downloaded,
     exists,
+    is_local,
+    read_full_weights,
     require_complete,
 )
 from engine.storage.lineage import checkpoint_step
@@ -67,7 +65,7 @@ def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> Poli
 def local_folder(uri: str, storage_options: dict) -> Iterator[str]:
     """A local copy of a folder (the folder itself when it is local)."""
     fs, path = fsspec.core.url_to_fs(uri, **storage_options)
-    if "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+    if is_local(fs):
         yield path
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,10 +84,8 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
     if is_sharded(source.uri, options):
         load_sharded(source.uri, options, model, None)
         return model.eval()
-    with downloaded(f"{source.uri}/model.safetensors", options) as local:
-        with safe_open(local, framework="pt") as handle:
-            aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-        missing, unexpected = model.load_state_dict(load_file(local), strict=False)
+    tensors, aliases = read_full_weights(source.uri, options)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
     if not set(missing) <= set(aliases) or unexpected:
         raise CheckpointError(f"{source.uri} does not match {config.load_from}: missing {missing}, unexpected {unexpected}.")
     model.tie_weights()

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import fsspec
 
 from engine.secrets import redact
+from engine.storage.checkpoints import is_local
 
 FILE_NAME = "run.log"
 CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")
@@ -34,7 +35,7 @@ class RunLog:
     def __init__(self, log_dir: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.uri = run_log_uri(log_dir)
         self._fs, self._path = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
-        self._local = "file" in (self._fs.protocol if isinstance(self._fs.protocol, (tuple, list)) else (self._fs.protocol,))
+        self._local = is_local(self._fs)
         self._lock = threading.Lock()
         self._text: str | None = None  # object storage: what the file holds, to rewrite it whole
         self.total_steps: int | None = None  # for "step N/TOTAL", once the run plan is known
@@ -49,7 +50,7 @@ class RunLog:
                     handle.write(lines)
                 return
             if self._text is None:
-                self._text = read_run_log(self.uri, {}, fs=self._fs) or ""
+                self._text = _read_text(self._fs, self._path) or ""
             self._text += lines
             with self._fs.open(self._path, "w") as handle:
                 handle.write(self._text)
@@ -67,11 +68,11 @@ class RunLog:
         self.write("STEP", message)
 
 
-def read_run_log(uri: str, storage_options: Mapping[str, Any] | None = None, *, fs=None) -> str | None:
-    if fs is None:
-        fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    else:
-        path = fsspec.core.url_to_fs(uri)[1] if "://" in uri else uri
+def read_run_log(uri: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    return _read_text(*fsspec.core.url_to_fs(uri, **dict(storage_options or {})))
+
+
+def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
     try:
         with fs.open(path, "r") as handle:
             return handle.read()

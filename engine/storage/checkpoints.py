@@ -28,6 +28,8 @@ from typing import Any, Iterator, Mapping
 
 import fsspec
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 MARKER = "COMPLETE"
 TRAIN_STATE = "train_state.json"
@@ -126,7 +128,7 @@ def upload_folder(local_dir: str | Path, uri: str, storage_options: Mapping[str,
             shutil.copyfileobj(reader, writer, _CHUNK)
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protocols
 
@@ -136,7 +138,7 @@ def staging_folder(uri: str, storage_options: Mapping[str, Any] | None = None) -
     """A local folder whose files end up in ``uri``: the folder itself when it is local (no second
     copy), else a temporary one uploaded when the block ends without an error."""
     fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    if _is_local(fs):
+    if is_local(fs):
         fs.makedirs(path, exist_ok=True)
         yield path
         return
@@ -151,7 +153,7 @@ def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> It
     fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
     if not fs.exists(path):
         raise CheckpointError(f"{uri} does not exist.")
-    if _is_local(fs):
+    if is_local(fs):
         yield path
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,6 +161,15 @@ def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> It
         with fs.open(path, "rb") as reader, open(local, "wb") as writer:
             shutil.copyfileobj(reader, writer, _CHUNK)
         yield local
+
+
+def read_full_weights(uri: str, storage_options: Mapping[str, Any] | None = None, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A one-rank checkpoint's ``model.safetensors``: its tensors, and the tied names left out of it,
+    each mapped to the name holding its data (see ``untied_state_dict``)."""
+    with downloaded(f"{uri.rstrip('/')}/model.safetensors", storage_options) as local:
+        with safe_open(local, framework="pt") as handle:
+            aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
+        return load_file(local, device=device), aliases
 
 
 def save_object(obj: Any, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.algo.losses import (
@@ -30,9 +29,9 @@ from engine.devices import resolve_device
 from engine.rng import capture_rng, restore_rng
 from engine.storage.checkpoints import (
     CheckpointError,
-    downloaded,
     exists,
     load_object,
+    read_full_weights,
     save_object,
     staging_folder,
     untied_state_dict,
@@ -319,10 +318,8 @@ class TrainingWorker:
         return self.applied_step
 
     def _load_full_weights(self, uri: str, storage_options: Mapping[str, Any]) -> None:
-        with downloaded(f"{uri}/model.safetensors", storage_options) as local:
-            with safe_open(local, framework="pt") as handle:
-                aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
-            missing, unexpected = fsdp.load_model_state(self.model, load_file(local, device=str(self._device)))
+        tensors, aliases = read_full_weights(uri, storage_options, device=str(self._device))
+        missing, unexpected = fsdp.load_model_state(self.model, tensors)
         if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
             raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
 
