@@ -65,9 +65,10 @@ class ScriptedRollout:
         self._abort.clear()
 
 
-def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, **replay_buffer):
+def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, dynamic_sampling=False, **replay_buffer):
     config = load_config(
         None, load_from=str(tmp_path / "m"), train_dataset={"path": str(tmp_path / "d")}, total_train_steps=10,
+        dynamic_sampling={"enable": dynamic_sampling},
         train_batch_size=BATCH, prompt_repeat_k=2, trainer="disaggregated", rollout={"max_new_tokens": max_new_tokens},
         reward={"function": f"{__name__}:reward_of_version"}, replay_buffer=replay_buffer, work_dir=str(tmp_path),
     )
@@ -107,6 +108,21 @@ def test_on_policy_the_producer_makes_one_batch_then_waits_for_new_weights(tmp_p
         assert {s.policy_version for g in second.groups for s in g} == {1}
         assert all(s.reward == 1.0 for g in second.groups for s in g)
         assert sum(count for _, count in recorded) == 2 * BATCH  # every group entered the lake when scored
+    finally:
+        producer.shutdown()
+        rewards.close()
+
+
+def test_with_dynamic_sampling_flat_groups_reach_the_lake_but_never_the_buffer(tmp_path):
+    """Every group of this rollout has equal rewards (one version, one token): all are filtered, so the
+    producer keeps going and the trainer gets nothing."""
+    producer, rewards, recorded = make_producer(tmp_path, max_staleness=0, dynamic_sampling=True)
+    try:
+        producer.continue_produce(0, ScriptedRollout())
+        assert producer.get_batch(1, timeout_s=1.0) is None
+        producer.pause_produce(timeout_s=10)
+        assert producer.buffer.count("completed") == 0
+        assert producer.progress.filtered_groups == sum(count for _, count in recorded) >= BATCH
     finally:
         producer.shutdown()
         rewards.close()

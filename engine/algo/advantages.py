@@ -1,8 +1,9 @@
 """Outcome advantage estimators, as plain torch functions.
 
-Shapes: ``G`` samples (sessions) of one prompt; ``rewards_G`` one scalar reward each. Batch-level
-estimators (REINFORCE++) take ``rewards_NG`` for N groups. Every function returns one advantage per
-sample; data preparation broadcasts it to the sample's response tokens.
+Shapes: ``G`` samples (sessions) of one prompt; ``rewards_G`` one scalar reward each, ``lengths_G``
+each session's generated tokens (OPO). Batch-level estimators (REINFORCE++) take ``rewards_NG`` for N
+groups. Every function returns one advantage per sample; data preparation broadcasts it to the
+sample's response tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def reinforce_pp_baseline(rewards_NG: torch.Tensor, eps: float = 1e-6) -> torch.
     return (centred_NG - flat.mean()) / (std + eps)
 
 
+def opo(rewards_G: torch.Tensor, lengths_G: torch.Tensor) -> torch.Tensor:
+    """r - b with the length-weighted baseline b = sum(l r) / sum(l) (OPO, Hao et al. 2025: the
+    baseline that minimises the gradient variance when a sequence's gradient norm grows with its length)."""
+    weights_G = lengths_G.to(rewards_G.dtype)
+    total = weights_G.sum()
+    if total <= 0:
+        return torch.zeros_like(rewards_G)
+    return rewards_G - (weights_G * rewards_G).sum() / total
+
+
 def pass_at_k(rewards_G: torch.Tensor, k: int, threshold: float = 0.5) -> torch.Tensor:
     """Pass@k training advantages (Chen et al., 2025), in closed form over a group of binary outcomes.
 
@@ -66,8 +77,11 @@ def pass_at_k(rewards_G: torch.Tensor, k: int, threshold: float = 0.5) -> torch.
     return torch.where(correct_G, right_advantage, wrong_advantage).to(rewards_G.dtype)
 
 
-def compute_group_advantages(rewards_NG: list[torch.Tensor], config: AdvantageConfig) -> list[torch.Tensor]:
-    """One advantage per session for each of N groups (groups may differ in size)."""
+def compute_group_advantages(
+    rewards_NG: list[torch.Tensor], config: AdvantageConfig, lengths_NG: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """One advantage per session for each of N groups (groups may differ in size); ``lengths_NG``,
+    the sessions' generated tokens, only OPO needs."""
     if config.estimator == "reinforce_pp":
         lengths = [r.numel() for r in rewards_NG]
         if len(set(lengths)) == 1:
@@ -81,4 +95,8 @@ def compute_group_advantages(rewards_NG: list[torch.Tensor], config: AdvantageCo
         return [dr_grpo(r) for r in rewards_NG]
     if config.estimator == "rloo":
         return [rloo(r) for r in rewards_NG]
+    if config.estimator == "opo":
+        if lengths_NG is None:
+            raise ValueError("The OPO estimator needs the sessions' response lengths.")
+        return [opo(r, lengths) for r, lengths in zip(rewards_NG, lengths_NG)]
     return [pass_at_k(r, config.pass_at_k, config.correct_threshold) for r in rewards_NG]

@@ -5,6 +5,7 @@ from engine.config.cluster import ClusterConfig
 from engine.config.sections import (
     AdvantageConfig,
     DatasetConfig,
+    DynamicSamplingConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,

@@ -77,6 +77,16 @@ def algorithm_problems(config: TrellisConfig) -> list[str]:
             f"advantage.estimator={advantage.estimator!r} compares samples of one prompt: prompt_repeat_k must be "
             f"at least 2, got {group}."
         )
+    if config.dynamic_sampling.enable and group < 2:
+        problems.append(
+            f"dynamic_sampling keeps groups whose rewards differ: prompt_repeat_k must be at least 2, got {group}."
+        )
+    buffer, budget = config.reward.overlong_buffer_len, config.rollout.max_new_tokens
+    if buffer >= budget:
+        problems.append(
+            f"reward.overlong_buffer_len={buffer} must be below rollout.max_new_tokens={budget}: the penalty starts "
+            "that many tokens before the budget."
+        )
     if advantage.estimator == "pass_at_k" and advantage.pass_at_k > group:
         problems.append(f"advantage.pass_at_k={advantage.pass_at_k} exceeds prompt_repeat_k={group}.")
     worker = config.train_worker

@@ -62,10 +62,19 @@ class RewardConfig(Frozen):
     )
     timeout_s: float = Field(10.0, gt=0.0, description="A call past this marks its sample FAILED.")
     num_workers: int = Field(1, ge=1, description="Processes scoring in parallel (isolated from the trainer).")
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong punishment: a response longer than (its token budget - this) loses "
+        "overlong_penalty_factor x excess / overlong_buffer_len of reward, the whole factor at the budget. 0: off.",
+    )
+    overlong_penalty_factor: float = Field(1.0, gt=0.0)
 
 
 class AdvantageConfig(Frozen):
-    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k"] = "grpo"
+    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k", "opo"] = Field(
+        "grpo", description="opo: reward minus the group's response-length-weighted mean reward."
+    )
     eps: float = Field(1e-4, gt=0.0, description="Added to the group std (GRPO) to avoid dividing by zero.")
     pass_at_k: int = Field(4, gt=0, description="k of the pass@k estimator.")
     correct_threshold: float = Field(0.5, description="pass@k: a reward above this counts as correct.")
@@ -87,6 +96,11 @@ class LossConfig(Frozen):
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the initial (reference) model; 0 loads none.")
     kl_type: Literal["k1", "k2", "k3"] = "k3"
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO's overlong filtering: a response cut at its token budget stays in its group's baseline "
+        "but is left out of the loss.",
+    )
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
 
 
@@ -177,6 +191,17 @@ class TrainWorkerConfig(Frozen):
                 raise ValueError(f"train_worker.cuda_graphs: {'; '.join(found)}. CUDA graphs run compiled, packed rows "
                                  "without fsdp or gradient checkpointing.")
         return self
+
+
+class DynamicSamplingConfig(Frozen):
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under a group
+    baseline and teaches nothing, so it is dropped (FILTERED, kept in the lake) and more prompts are
+    sampled until the step has ``train_batch_size`` groups with a reward spread."""
+
+    enable: bool = False
+    max_rounds: int = Field(
+        8, ge=1, description="Generation rounds per step, the first included; a batch still short after them trains on what it has."
+    )
 
 
 class ResourcesConfig(Frozen):

@@ -18,6 +18,7 @@ from engine.config.rules import RULES
 from engine.config.sections import (
     AdvantageConfig,
     DatasetConfig,
+    DynamicSamplingConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,
@@ -53,6 +54,7 @@ class TrellisConfig(Frozen):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)

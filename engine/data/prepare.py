@@ -79,16 +79,22 @@ def build_sequence(sample: RolloutSample, advantage: float) -> TrainSequence:
 
 
 def session_advantages(group: list[RolloutSample], config: AdvantageConfig) -> list[float]:
-    """Advantages per sample, computed once per session and broadcast to the session's segments."""
+    """Advantages per sample, computed once per session and broadcast to the session's segments
+    (a session's length, for OPO, is the tokens its segments generated)."""
     session_index: dict[str, int] = {}
     session_rewards: list[float] = []
+    session_lengths: list[int] = []
     sample_session: list[int] = []
     for sample in group:
         if sample.session_id not in session_index:
             session_index[sample.session_id] = len(session_rewards)
             session_rewards.append(float(sample.reward))  # type: ignore[arg-type]
+            session_lengths.append(0)
         sample_session.append(session_index[sample.session_id])
-    advantages = compute_group_advantages([torch.tensor(session_rewards)], config)[0].tolist()
+        session_lengths[sample_session[-1]] += sample.generated_tokens
+    advantages = compute_group_advantages(
+        [torch.tensor(session_rewards)], config, [torch.tensor(session_lengths)]
+    )[0].tolist()
     return [advantages[i] for i in sample_session]
 
 
@@ -98,13 +104,19 @@ def prepare_train_data(
     *,
     shuffle: bool,
     seed: int,
+    mask_truncated: bool = False,
 ) -> PreparedBatch:
+    """``mask_truncated``: a response cut at its budget counts in its group's baseline but is not
+    trained on. Groups dynamic sampling filtered are left out quietly (they are counted, not warned of)."""
     valid: list[list[RolloutSample]] = []
     skipped: dict[str, int] = {}
+    filtered = 0
     for group in groups:
         reason = invalid_reason(group)
         if reason is None:
             valid.append(group)
+        elif all(sample.status == Status.FILTERED for sample in group):
+            filtered += 1
         else:
             skipped[reason] = skipped.get(reason, 0) + 1
     for reason, count in skipped.items():
@@ -112,6 +124,7 @@ def prepare_train_data(
 
     sequences: list[TrainSequence] = []
     session_rewards: list[float] = []
+    truncated = 0
     if config.estimator == "reinforce_pp":
         per_group = _batch_advantages(valid, config)
     else:
@@ -119,7 +132,10 @@ def prepare_train_data(
     for group, advantages in zip(valid, per_group):
         seen_sessions: set[str] = set()
         for sample, advantage in zip(group, advantages):
-            sequences.append(build_sequence(sample, advantage))
+            if mask_truncated and sample.finish_reason == "length":
+                truncated += 1
+            else:
+                sequences.append(build_sequence(sample, advantage))
             if sample.session_id not in seen_sessions:
                 seen_sessions.add(sample.session_id)
                 session_rewards.append(float(sample.reward))  # type: ignore[arg-type]
@@ -127,6 +143,8 @@ def prepare_train_data(
         random.Random(seed).shuffle(sequences)
     info = _response_info(valid, sequences, session_rewards, groups)
     info["skipped_groups"] = float(sum(skipped.values()))
+    info["filtered_groups"] = float(filtered)
+    info["truncated_masked_samples"] = float(truncated)
     return PreparedBatch(sequences, info)
 
 

@@ -63,3 +63,12 @@ class RolloutSample:
     def fail(self, error: str) -> None:
         self.status = Status.FAILED
         self.error = error
+
+    def filter_out(self, reason: str) -> None:
+        self.status = Status.FILTERED
+        self.error = reason
+
+    @property
+    def generated_tokens(self) -> int:
+        """Response tokens the policy generated (tool output, masked with 0, excluded)."""
+        return sum(self.response_mask) if self.response_mask is not None else len(self.response_ids)

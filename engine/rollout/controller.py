@@ -18,6 +18,7 @@ import pyarrow as pa
 from transformers import AutoTokenizer
 
 from engine.algo.eval_metrics import evaluation_metrics
+from engine.algo.reward_shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch, prepare_train_data
 from engine.data.prompts import PromptRecord, load_prompts
@@ -25,6 +26,7 @@ from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample
 from engine.rng import capture_rng, restore_rng
 from engine.rollout.base import RolloutBackend
+from engine.rollout.dynamic_sampling import fill_batch
 from engine.rollout.produce import (
     ProduceResult,
     rollout_groups,
@@ -61,12 +63,13 @@ class Controller:
         if config.eval_dataset is not None:
             self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
         self.rewards = RewardRunner(config.reward)
+        self.overlong = OverlongShaping.of(config)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
         self.producer: Producer | None = None
         if config.disaggregated:
             self.producer = Producer(
-                config, sampler=self.sampler, rewards=self.rewards, record=self._record_produced,
+                config, sampler=self.sampler, rewards=self.rewards, overlong=self.overlong, record=self._record_produced,
                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             )
 
@@ -92,15 +95,25 @@ class Controller:
             self._sampler_before_step[step] = self.sampler.state_dict()
             for old in sorted(self._sampler_before_step)[:-_KEPT_SNAPSHOTS]:
                 del self._sampler_before_step[old]
-        produced = rollout_groups(
-            self.sampler.draw(self.config.train_batch_size),
-            repeat=self.config.prompt_repeat_k,
-            backend=backend,
-            rewards=self.rewards,
-            params=sampling_params(self.config.rollout, seed=step_seed(self.config.seed, step)),
-            train_step=step,
-            id_prefix="train-",
-        )
+        config = self.config
+
+        def produce_round(round_index: int, prompts: int) -> ProduceResult:
+            # Round 0 is the plain step's round; dynamic sampling's further rounds get their own seeds and ids.
+            return rollout_groups(
+                self.sampler.draw(prompts),
+                repeat=config.prompt_repeat_k,
+                backend=backend,
+                rewards=self.rewards,
+                params=sampling_params(config.rollout, seed=step_seed(config.seed, step, salt=100 + round_index if round_index else 0)),
+                train_step=step,
+                id_prefix=f"train-d{round_index}-" if round_index else "train-",
+                overlong=self.overlong,
+            )
+
+        if config.dynamic_sampling.enable:
+            produced = fill_batch(produce_round, config.train_batch_size, config.dynamic_sampling.max_rounds)
+        else:
+            produced = produce_round(0, config.train_batch_size)
         self._produced[step] = produced
         for old in sorted(self._produced)[:-_KEPT_BATCHES]:
             del self._produced[old]
@@ -114,7 +127,8 @@ class Controller:
     def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
         config = self.config
         return prepare_train_data(
-            groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2)
+            groups, config.advantage, shuffle=not config.deterministic, seed=step_seed(config.seed, step, 2),
+            mask_truncated=config.loss.mask_truncated,
         )
 
     def evaluate(self, step: int, backend: RolloutBackend) -> tuple[list[list[RolloutSample]], dict[str, float]]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from engine.algo.reward_shaping import OverlongShaping
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status
@@ -23,6 +24,7 @@ class ProduceResult:
     produced_tokens: int = 0
     failed_samples: int = 0
     launched_s: float = 0.0  # wall time (time.time()) the rollout started
+    counters: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's sampling/*
 
     @classmethod
     def of(cls, groups: list[list[RolloutSample]], produce_time_s: float = 0.0, launched_s: float | None = None) -> ProduceResult:
@@ -151,15 +153,19 @@ def budget_of(sample: RolloutSample, params: SamplingParams) -> int:
     return min(params.max_new_tokens, sample.max_new_tokens or params.max_new_tokens)
 
 
-def score(samples: list[RolloutSample], rewards: RewardRunner) -> None:
-    """Score the completed samples; a reward function that fails marks its sample FAILED."""
+def score(samples: list[RolloutSample], rewards: RewardRunner, overlong: OverlongShaping | None = None) -> None:
+    """Score the completed samples; a reward function that fails marks its sample FAILED. With
+    ``overlong`` (training only), a long response's penalty is added and kept in its payload."""
     scorable = [s for s in samples if s.status == Status.COMPLETED]
     for sample, result in zip(scorable, rewards.score([s.reward_input() for s in scorable])):
         if result.error is not None:
             sample.fail(result.error)
-        else:
-            sample.reward = result.score
-            sample.reward_payload = result.payload
+            continue
+        sample.reward, sample.reward_payload = result.score, result.payload
+        penalty = overlong.penalty(sample) if overlong is not None else 0.0
+        if penalty:
+            sample.reward = result.score + penalty
+            sample.reward_payload = {**result.payload, "overlong_penalty": penalty}
 
 
 def rollout_groups(
@@ -171,13 +177,14 @@ def rollout_groups(
     params: SamplingParams,
     train_step: int,
     id_prefix: str,
+    overlong: OverlongShaping | None = None,
 ) -> ProduceResult:
     """Generate and score ``repeat`` samples for each (epoch, prompt); one group per prompt."""
     launched_s, started = time.time(), time.perf_counter()
     groups = new_groups(prompts, repeat=repeat, version=backend.policy_version, train_step=train_step, id_prefix=id_prefix)
     samples = [sample for group in groups for sample in group]
     generate(samples, backend, params)
-    score(samples, rewards)
+    score(samples, rewards, overlong)
     return ProduceResult.of(groups, produce_time_s=time.perf_counter() - started, launched_s=launched_s)
 
 
@@ -192,4 +199,5 @@ def produce_summary(result: ProduceResult) -> dict[str, float]:
         "failed_samples": float(result.failed_samples),
         "policy_version": float(samples[0].policy_version if samples else 0),
         **{f"trajectory/{k}": v for k, v in trajectory_summary(samples).items()},
+        **result.counters,
     }

@@ -22,11 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.algo.reward_shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.base import RolloutBackend
+from engine.rollout.dynamic_sampling import filter_flat_groups
 from engine.rollout.produce import (
     ProduceResult,
     generate_streaming,
@@ -71,6 +73,7 @@ class ProducerProgress:
     rounds: int = 0  # generation calls made, interrupted ones too; each round's new groups carry its number
     produced_groups: int = 0
     resumed_partial: int = 0  # samples continued after a pause (partial rollout)
+    filtered_groups: int = 0  # dynamic sampling: scored groups whose rewards were all equal
 
 
 class Producer:
@@ -80,12 +83,14 @@ class Producer:
         *,
         sampler: PromptSampler[PromptRecord],
         rewards: RewardRunner,
+        overlong: OverlongShaping | None = None,
         decode: Callable[[list[int]], str],
         record: Callable[[list[list[RolloutSample]], int], None],
     ) -> None:
         """``record(groups, round, part)`` writes completed groups to the lake as they are produced."""
         self._config = config
         self._sampler, self._rewards, self._decode, self._record = sampler, rewards, decode, record
+        self._overlong = overlong
         self._backend: RolloutBackend | None = None  # given with each continue_produce
         buffer = config.replay_buffer
         self.buffer = ReplayBuffer(buffer.kind, config.stale_after, keep_expired=buffer.tail_batch_trigger_size >= 0)
@@ -265,15 +270,19 @@ class Producer:
             return self._trainer_waiting and self.buffer.count("completed") + ended >= self._config.train_batch_size
 
     def _deliver(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
-        """Score whole groups, write them to the lake, then make them available to the trainer."""
-        score([s for group in groups for s in group if s.status == Status.COMPLETED and s.reward is None], self._rewards)
+        """Score whole groups, write them to the lake, then make them available to the trainer (with
+        dynamic sampling, only those whose rewards differ: the producer goes on until the buffer is full)."""
+        unscored = [s for group in groups for s in group if s.status == Status.COMPLETED and s.reward is None]
+        score(unscored, self._rewards, self._overlong)
+        trainable = filter_flat_groups(groups) if self._config.dynamic_sampling.enable else groups
         self._record(groups, round_index, part)
         delivered = {id(group) for group in groups}
         with self._cond:
             self._in_flight = [group for group in self._in_flight if id(group) not in delivered]
-            for group in groups:
+            for group in trainable:
                 self.buffer.put(group, "completed")
             self.progress.produced_groups += len(groups)
+            self.progress.filtered_groups += len(groups) - len(trainable)
             self._window[1] += sum(len(group) for group in groups)
             self._cond.notify_all()
 
@@ -297,6 +306,7 @@ class Producer:
             "async/given_up_groups": float(len(self.buffer.given_up)),
             "async/resumed_partial_samples": float(self.progress.resumed_partial),
             "async/produced_groups": float(self.progress.produced_groups),
+            "async/filtered_groups": float(self.progress.filtered_groups),
             "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
             "async/staleness_max": float(max(ages)) if ages else 0.0,
             "timing/pause_s": self._pause_s,
