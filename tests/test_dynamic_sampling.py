@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.algo.advantages import opo
-from engine.algo.reward_shaping import OverlongShaping, overlong_penalty
+from engine.algo.reward_shaping import overlong_penalty
+from engine.rollout.shaping import OverlongShaping
 from engine.config import AdvantageConfig
 from engine.data.prepare import prepare_train_data
 from engine.data.samples import RolloutSample, Status

@@ -22,6 +22,7 @@ __all__ = [
     "AdvantageConfig",
     "ClusterConfig",
     "DatasetConfig",
+    "DynamicSamplingConfig",
     "LoadCheckpointConfig",
     "LossConfig",
     "OptimConfig",

@@ -18,7 +18,7 @@ import pyarrow as pa
 from transformers import AutoTokenizer
 
 from engine.algo.eval_metrics import evaluation_metrics
-from engine.algo.reward_shaping import OverlongShaping
+from engine.rollout.shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch, prepare_train_data
 from engine.data.prompts import PromptRecord, load_prompts

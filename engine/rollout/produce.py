@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from engine.algo.reward_shaping import OverlongShaping
+from engine.rollout.shaping import OverlongShaping
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status

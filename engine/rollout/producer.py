@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.algo.reward_shaping import OverlongShaping
+from engine.rollout.shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
