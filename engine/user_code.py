@@ -33,15 +33,22 @@ def is_file_spec(target: str) -> bool:
     return target.endswith(".py")
 
 
-def load_function(spec: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
-    """The callable ``spec`` names; ``base_dir`` (default: the current directory) is where relative
-    file specs live and where modules are looked up first."""
+def load_attribute(spec: str, base_dir: str | Path | None = None) -> tuple[Any, ModuleType]:
+    """What ``spec`` names, and its module; ``base_dir`` (default: the current directory) is where
+    relative file specs live and where modules are looked up first."""
     target, attribute = split_spec(spec)
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     module = _load_file(spec, base / target) if is_file_spec(target) else _import_module(spec, target, base)
-    function = getattr(module, attribute, None)
-    if function is None:
+    value = getattr(module, attribute, None)
+    if value is None:
         raise UserCodeError(f"{spec!r}: {module.__file__} defines no {attribute!r}.")
+    return value, module
+
+
+def load_function(spec: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The callable ``spec`` names (see ``load_attribute``)."""
+    function, module = load_attribute(spec, base_dir)
+    attribute = split_spec(spec)[1]
     if not callable(function):
         raise UserCodeError(f"{spec!r}: {attribute!r} in {module.__file__} is a {type(function).__name__}, not a function.")
     return function

@@ -11,6 +11,7 @@ import pytest
 from engine.config.loading import load_config
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
+from engine.rollout.agent_loops import SingleTurnLoop
 from engine.rollout.base import Generation, in_order
 from engine.rollout.producer import Producer, ProducerFailure
 from engine.rollout.rewards import RewardRunner
@@ -77,7 +78,7 @@ def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, dynamic_sampling
     rewards = RewardRunner(config.reward)
     recorded = []
     producer = Producer(config, sampler=PromptSampler(prompts, seed=0), rewards=rewards,
-                        decode=lambda ids: "".join("a" if t == 10 else "b" for t in ids),
+                        agent_loop=SingleTurnLoop(lambda ids: "".join("a" if t == 10 else "b" for t in ids)),
                         record=lambda groups, round_index, part: recorded.append((round_index, len(groups))))
     return producer, rewards, recorded
 

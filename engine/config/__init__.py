@@ -4,6 +4,7 @@ YAML with errors a person can act on (``engine.config.loading``)."""
 from engine.config.cluster import ClusterConfig
 from engine.config.sections import (
     AdvantageConfig,
+    AgentConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,
@@ -20,6 +21,7 @@ from engine.config.trellis import TrellisConfig
 
 __all__ = [
     "AdvantageConfig",
+    "AgentConfig",
     "ClusterConfig",
     "DatasetConfig",
     "DynamicSamplingConfig",

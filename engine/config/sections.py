@@ -71,6 +71,40 @@ class RewardConfig(Frozen):
     overlong_penalty_factor: float = Field(1.0, gt=0.0)
 
 
+class AgentConfig(Frozen):
+    """How a sample is made: one response to the prompt (``single_turn``), or a session of turns in which
+    the model calls tools (``tool``). A tool session's response holds every turn, token for token as
+    generated, with the tools' outputs between them (masked out of the loss); ``rollout.max_new_tokens``
+    is the budget of the whole session."""
+
+    loop: Literal["single_turn", "tool"] = "single_turn"
+    tools: str | None = Field(
+        None,
+        description="tool loop: `module:TOOLS` or `file.py:TOOLS`, a dict of name -> callable, a list of callables or one "
+        "callable; the model's JSON arguments are passed as keywords.",
+    )
+    max_turns: int = Field(4, ge=1, description="Assistant turns per session; one still calling tools after them ends the session.")
+    max_calls_per_turn: int = Field(4, ge=1)
+    tool_timeout_s: float = Field(5.0, gt=0.0, description="A call past this shows the model a timeout error.")
+    tool_memory_mb: int = Field(512, ge=16, description="What one call may allocate beyond its worker's own memory.")
+    tool_output_max_chars: int = Field(1000, ge=16, description="Longer outputs are cut (and say so).")
+    tool_workers: int = Field(2, ge=1, description="Processes running tool calls in parallel.")
+    tool_response_template: str = Field("<tool_response>\n{output}\n</tool_response>", description="Wraps each output.")
+    tool_turn_template: str = Field(
+        "\n<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n",
+        description="The tokens between an assistant turn's end token and the next turn: the wrapped outputs "
+        "(joined by newlines) as the chat template renders tool messages (Qwen's, by default).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentConfig:
+        if (self.loop == "tool") != (self.tools is not None):
+            raise ValueError("agent.tools names the tools of the tool loop: set both agent.loop: tool and agent.tools, or neither.")
+        if "{output}" not in self.tool_response_template or "{responses}" not in self.tool_turn_template:
+            raise ValueError("agent.tool_response_template needs {output}, and agent.tool_turn_template {responses}.")
+        return self
+
+
 class AdvantageConfig(Frozen):
     estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k", "opo"] = Field(
         "grpo", description="opo: reward minus the group's response-length-weighted mean reward."

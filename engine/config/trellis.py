@@ -17,6 +17,7 @@ from engine.config.cluster import ClusterConfig
 from engine.config.rules import RULES
 from engine.config.sections import (
     AdvantageConfig,
+    AgentConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,
@@ -52,6 +53,7 @@ class TrellisConfig(Frozen):
     total_epochs: int | None = None
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)

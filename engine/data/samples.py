@@ -44,14 +44,18 @@ class RolloutSample:
     train_step: int = 0
     epoch: int = 0  # of the prompt sampler, when the prompt was drawn
     max_new_tokens: int | None = None  # the prompt's own cap on response tokens (None: the run's)
+    # A multi-turn session (engine.rollout.agent_loops): its turns as token spans of the response, its
+    # tool calls, why it ended and its last assistant turn. None for a single response.
+    agent: dict[str, Any] | None = None
 
     @property
     def oldest_version(self) -> int:
         return min(self.response_versions) if self.response_versions else self.policy_version
 
     def reward_input(self) -> dict[str, Any]:
-        """What a reward function sees."""
-        return {
+        """What a reward function sees; for a multi-turn session ``response`` is its last assistant turn,
+        and ``turns`` and ``tool_calls`` say how it got there."""
+        sample = {
             **self.extra,
             "prompt": self.messages,
             "response": self.response,
@@ -59,6 +63,11 @@ class RolloutSample:
             "data_source": self.data_source,
             "task_name": self.task_name,
         }
+        if self.agent is not None:
+            sample.update(
+                response=self.agent["final_response"], turns=self.agent["turns"], tool_calls=self.agent["tool_calls"]
+            )
+        return sample
 
     def fail(self, error: str) -> None:
         self.status = Status.FAILED

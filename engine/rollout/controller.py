@@ -25,6 +25,7 @@ from engine.data.prompts import PromptRecord, load_prompts
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample
 from engine.rng import capture_rng, restore_rng
+from engine.rollout.agent_loops import build_agent_loop
 from engine.rollout.base import RolloutBackend
 from engine.rollout.dynamic_sampling import fill_batch
 from engine.rollout.produce import (
@@ -64,13 +65,14 @@ class Controller:
             self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
         self.rewards = RewardRunner(config.reward)
         self.overlong = OverlongShaping.of(config)
+        self.agent_loop = build_agent_loop(config.agent, self.tokenizer)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
         self.producer: Producer | None = None
         if config.disaggregated:
             self.producer = Producer(
                 config, sampler=self.sampler, rewards=self.rewards, overlong=self.overlong, record=self._record_produced,
-                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                agent_loop=self.agent_loop,
             )
 
     @property
@@ -108,6 +110,7 @@ class Controller:
                 train_step=step,
                 id_prefix=f"train-d{round_index}-" if round_index else "train-",
                 overlong=self.overlong,
+                agent_loop=self.agent_loop,
             )
 
         if config.dynamic_sampling.enable:
@@ -141,6 +144,7 @@ class Controller:
             params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
             train_step=step,
             id_prefix="eval-",
+            agent_loop=self.agent_loop,
         )
         return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
 
@@ -195,3 +199,4 @@ class Controller:
         if self.producer is not None:
             self.producer.shutdown()
         self.rewards.close()
+        self.agent_loop.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.rollout.shaping import OverlongShaping
 from engine.config import RolloutConfig
@@ -14,6 +14,9 @@ from engine.data.samples import RolloutSample, Status
 from engine.rollout.base import Generation, RolloutBackend, SamplingParams
 from engine.rollout.rewards import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
+
+if TYPE_CHECKING:  # agent loops build on this module's generate()
+    from engine.rollout.agent_loops import AgentLoop
 
 
 @dataclass
@@ -178,12 +181,17 @@ def rollout_groups(
     train_step: int,
     id_prefix: str,
     overlong: OverlongShaping | None = None,
+    agent_loop: AgentLoop | None = None,
 ) -> ProduceResult:
-    """Generate and score ``repeat`` samples for each (epoch, prompt); one group per prompt."""
+    """Generate (one response each, or through ``agent_loop``) and score ``repeat`` samples for each
+    (epoch, prompt); one group per prompt."""
     launched_s, started = time.time(), time.perf_counter()
     groups = new_groups(prompts, repeat=repeat, version=backend.policy_version, train_step=train_step, id_prefix=id_prefix)
     samples = [sample for group in groups for sample in group]
-    generate(samples, backend, params)
+    if agent_loop is None:
+        generate(samples, backend, params)
+    else:
+        agent_loop.run(samples, backend, params)
     score(samples, rewards, overlong)
     return ProduceResult.of(groups, produce_time_s=time.perf_counter() - started, launched_s=launched_s)
 

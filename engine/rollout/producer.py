@@ -27,11 +27,11 @@ from engine.config import TrellisConfig
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample, Status
+from engine.rollout.agent_loops import AgentLoop
 from engine.rollout.base import RolloutBackend
 from engine.rollout.dynamic_sampling import filter_flat_groups
 from engine.rollout.produce import (
     ProduceResult,
-    generate_streaming,
     new_groups,
     produce_summary,
     sampling_params,
@@ -84,12 +84,12 @@ class Producer:
         sampler: PromptSampler[PromptRecord],
         rewards: RewardRunner,
         overlong: OverlongShaping | None = None,
-        decode: Callable[[list[int]], str],
+        agent_loop: AgentLoop,
         record: Callable[[list[list[RolloutSample]], int], None],
     ) -> None:
         """``record(groups, round, part)`` writes completed groups to the lake as they are produced."""
         self._config = config
-        self._sampler, self._rewards, self._decode, self._record = sampler, rewards, decode, record
+        self._sampler, self._rewards, self._agent_loop, self._record = sampler, rewards, agent_loop, record
         self._overlong = overlong
         self._backend: RolloutBackend | None = None  # given with each continue_produce
         buffer = config.replay_buffer
@@ -246,7 +246,7 @@ class Producer:
         ended = [group for group in groups if generating[id(group)] == 0]
         params = sampling_params(self._config.rollout, seed=step_seed(self._config.seed, round_index, salt=3))
         parts = 0
-        for sample in generate_streaming(unfinished, self._backend, params, self._decode):
+        for sample in self._agent_loop.stream(unfinished, self._backend, params):
             group = group_of[id(sample)]
             generating[id(group)] -= 1
             if generating[id(group)] == 0 and all(s.status != Status.ABORTED for s in group):

@@ -97,7 +97,7 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -
         "prompt_len": len(sample.prompt_ids),
         "response_len": len(sample.response_ids),
         "extra": json.dumps(sample.extra, default=str),
-        "agent": None,
+        "agent": None if sample.agent is None else json.dumps(sample.agent, default=str),
         "flow_run_id": lineage.flow_run_id,
         "checkpoint": lineage.checkpoints.get(sample.policy_version),
     }
@@ -188,6 +188,7 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         reward_payload=json.loads(row["reward_payload"] or "{}"),
         policy_version=row["policy_version"],
         train_step=row["train_step"],
+        agent=json.loads(row["agent"]) if row.get("agent") else None,
     )
 
 
