@@ -11,6 +11,7 @@ from engine.rollout.shaping import OverlongShaping
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status
+from engine.rollout.agent_metrics import agent_summary
 from engine.rollout.base import Generation, RolloutBackend, SamplingParams
 from engine.rollout.rewards import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
@@ -207,5 +208,6 @@ def produce_summary(result: ProduceResult) -> dict[str, float]:
         "failed_samples": float(result.failed_samples),
         "policy_version": float(samples[0].policy_version if samples else 0),
         **{f"trajectory/{k}": v for k, v in trajectory_summary(samples).items()},
+        **agent_summary(samples),
         **result.counters,
     }

@@ -106,7 +106,7 @@ def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tup
     if "entropy" in fit_metrics:
         metrics["entropy/train"] = fit_metrics["entropy"]
     metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
-    metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/"))})
+    metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/", "agent/"))})
     metrics["rollout/failed_samples"] = produce["failed_samples"]
     metrics["rollout/policy_version"] = produce["policy_version"]
     metrics.update(
