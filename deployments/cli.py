@@ -27,18 +27,22 @@ app.command("report")(report)
 @app.command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder for the HF checkpoint (model + tokenizer).")],
-    data: Annotated[Optional[Path], typer.Option(help="Also write train/eval Parquet prompts of the reverse task here.")] = None,
-    warmup: Annotated[bool, typer.Option(help="Warm the model up on the task (~10 s).")] = True,
+    data: Annotated[Optional[Path], typer.Option(help="Also write train/eval Parquet prompts of the task here.")] = None,
+    warmup: Annotated[bool, typer.Option(help="Warm the model up on the task (reverse ~10 s, lookup ~30 s).")] = True,
+    task: Annotated[str, typer.Option(help="reverse (one turn) or lookup (a tool call, then the answer).")] = "reverse",
 ) -> None:
     """Build the bundled tiny Qwen2 model and tokenizer offline."""
-    from engine.tiny.model import build_tiny_checkpoint
-    from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
+    from engine.tiny import lookup_task, reverse_task
 
-    build_tiny_checkpoint(out, warmup=warmup)
+    tasks = {"reverse": reverse_task, "lookup": lookup_task}
+    if task not in tasks:
+        raise typer.BadParameter(f"unknown task {task!r}: one of {sorted(tasks)}", param_hint="--task")
+    module = tasks[task]
+    module.build_checkpoint(out, warmup=warmup)
     typer.echo(f"model and tokenizer: {out}")
     if data is not None:
-        write_dataset(data / "train.parquet", 4096, seed=0)
-        write_dataset(data / "eval.parquet", 512, seed=EVAL_SEED_OFFSET)
+        module.write_dataset(data / "train.parquet", 4096, seed=0)
+        module.write_dataset(data / "eval.parquet", 512, seed=module.EVAL_SEED_OFFSET)
         typer.echo(f"prompts: {data}/train.parquet, {data}/eval.parquet")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,15 +33,26 @@ WARMUP_BATCH = 64
 WARMUP_SEED = 8
 
 
-Example = Callable[[random.Random], tuple[str, str]]  # one (prompt, answer) pair of a task
+# One (prompt, answer) pair of a task. The answer is the assistant's text (trained on, with the closing
+# <|im_end|>), or a multi-turn session as (text, trained) segments holding their own end tokens.
+Answer = Union[str, list[tuple[str, bool]]]
+Example = Callable[[random.Random], tuple[str, Answer]]
 
 
-def build_tokenizer(seed: int = 0, make_example: Example = make_example) -> PreTrainedTokenizerFast:
+def answer_segments(answer: Answer) -> list[tuple[str, bool]]:
+    return [(answer + IM_END, True)] if isinstance(answer, str) else answer
+
+
+def build_tokenizer(
+    seed: int = 0, make_example: Example = make_example, added_tokens: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
+    """``added_tokens`` (e.g. ``<tool_call>``) become single tokens that decoding keeps."""
     rng = random.Random(seed)
     lines = []
     for _ in range(2000):
         prompt, answer = make_example(rng)
-        lines.append(f"{IM_START}user\n{prompt}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n")
+        session = "".join(text for text, _ in answer_segments(answer))
+        lines.append(f"{IM_START}user\n{prompt}{IM_END}\n{IM_START}assistant\n{session}\n")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex("[0-9A-Z]"), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -58,6 +69,7 @@ def build_tokenizer(seed: int = 0, make_example: Example = make_example) -> PreT
         tokenizer_object=core, eos_token=IM_END, pad_token=PAD, padding_side="left"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_tokens(list(added_tokens))
     return tokenizer
 
 
@@ -90,14 +102,17 @@ def warm_up(
     *,
     make_example: Example = make_example,
     steps: int = WARMUP_STEPS,
+    first_turn_steps: int = 0,
 ) -> None:
-    """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only."""
+    """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only. A multi-turn task
+    trains on the first turn alone for ``first_turn_steps``: a ~1M model learns the later turns' copying
+    far faster once the first turn's is in place."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model.train()
-    for _ in range(steps):
-        input_ids, labels = _supervised_batch(tokenizer, rng, make_example)
+    for step in range(steps):
+        input_ids, labels = _supervised_batch(tokenizer, rng, make_example, first_turn_only=step < first_turn_steps)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,7 +123,7 @@ def warm_up(
 
 
 def _supervised_batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, make_example: Example
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, make_example: Example, first_turn_only: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows: list[tuple[list[int], list[int]]] = []
     for _ in range(WARMUP_BATCH):
@@ -116,8 +131,13 @@ def _supervised_batch(
         prompt_ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        answer_ids = tokenizer(answer + IM_END, add_special_tokens=False)["input_ids"]
-        rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+        answer_ids, answer_labels = [], []
+        segments = answer_segments(answer)
+        for text, trained in segments[:1] if first_turn_only else segments:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            answer_ids += ids
+            answer_labels += ids if trained else [-100] * len(ids)
+        rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_labels))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
@@ -134,14 +154,16 @@ def build_tiny_checkpoint(
     make_example: Example = make_example,
     warmup_steps: int = WARMUP_STEPS,
     warmup_seed: int = WARMUP_SEED,
+    added_tokens: tuple[str, ...] = (),
+    first_turn_steps: int = 0,
 ) -> Path:
     """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder; the bundled
     reverse task by default, or any task given as ``make_example`` (random.Random -> prompt, answer)."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(make_example=make_example)
+    tokenizer = build_tokenizer(make_example=make_example, added_tokens=added_tokens)
     model = build_model(tokenizer)
     if warmup:
-        warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps)
+        warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

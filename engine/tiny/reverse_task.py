@@ -47,3 +47,10 @@ def partial_score(sample: dict[str, Any]) -> float:
     if not label:
         return 0.0
     return sum(a == b for a, b in zip(response, label)) / max(len(label), len(response))
+
+
+def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
+    """The tiny model and tokenizer warmed up on this task (``trellis tiny-model``)."""
+    from engine.tiny.model import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(out_dir, warmup=warmup)
