@@ -14,12 +14,10 @@ import ray
 from engine.cluster.compat import upload_package
 from engine.cluster.head import connect
 from engine.config import TrellisConfig
-from engine.rollout.rewards import resolve_function
-from engine.run.code_bundle import CodeBundle, shipped_code, user_function_specs
+from engine.run.code_bundle import CodeBundle, shipped_code
 from engine.run.identity import trellis_code
 from engine.run.plan import Role
-from engine.run.preflight import InputError
-from engine.user_code import UserCodeError
+from engine.run.preflight import InputError, UserCodeCheck, user_code_checks, user_code_problems
 
 
 class ClusterEnvironmentError(RuntimeError):
@@ -49,14 +47,8 @@ class EnvironmentReport:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _inspect(specs: tuple[str, ...]) -> EnvironmentReport:
-    problems = []
-    for spec in specs:
-        try:
-            resolve_function(spec)
-        except UserCodeError as error:
-            problems.append(f"reward: {error}")
-    return EnvironmentReport(trellis_code(), sys.executable, tuple(problems))
+def _inspect(checks: tuple[UserCodeCheck, ...]) -> EnvironmentReport:
+    return EnvironmentReport(trellis_code(), sys.executable, tuple(user_code_problems(checks)))
 
 
 _checked: set[tuple[str, ...]] = set()  # (cluster, trellis, runtime_env, functions) this process found fine
@@ -73,11 +65,11 @@ def check_worker_environment(config: TrellisConfig, bundle: CodeBundle | None, a
     """Refuse the run, before a worker exists, where workers would run other trellis code or could
     not import the config's functions. A check that passed is not repeated in this process."""
     runtime_env = worker_runtime_env(config, bundle, "controller")
-    key = (address, trellis_code(), json.dumps(runtime_env, sort_keys=True), repr(user_function_specs(config)))
+    key = (address, trellis_code(), json.dumps(runtime_env, sort_keys=True), repr(user_code_checks(config)))
     if key in _checked:
         return
     probe = _inspect.options(runtime_env=runtime_env) if runtime_env else _inspect
-    report: EnvironmentReport = ray.get(probe.remote(user_function_specs(config)), timeout=config.cluster.ray_get_timeout_s)
+    report: EnvironmentReport = ray.get(probe.remote(user_code_checks(config)), timeout=config.cluster.ray_get_timeout_s)
     if report.trellis != trellis_code():
         raise ClusterEnvironmentError(
             f"The Ray cluster at {address} runs trellis {report.trellis} ({report.python}); this run is trellis "

@@ -46,8 +46,9 @@ class CodeBundle:
 
 
 def user_function_specs(config: TrellisConfig) -> tuple[str, ...]:
-    """Every function the config names (reward functions, and agent loops and tools as they arrive)."""
-    return (config.reward.function, *config.reward.by_data_source.values())
+    """Every function the config names: reward functions, the tool loop's tools, the openai loop's agent."""
+    agent = tuple(spec for spec in (config.agent.tools, config.agent.entrypoint) if spec is not None)
+    return (config.reward.function, *config.reward.by_data_source.values(), *agent)
 
 
 def launch_directory(config: TrellisConfig) -> Path:

@@ -4,17 +4,14 @@ run is launched from), and the code the workers would receive can be shipped."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import fsspec
 
 from engine.config import TrellisConfig
 from engine.rollout.rewards import resolve_function
-from engine.run.code_bundle import (
-    CodeBundleError,
-    launch_directory,
-    shipped_code,
-    user_function_specs,
-)
-from engine.user_code import UserCodeError
+from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
+from engine.user_code import UserCodeError, load_attribute, load_function
 
 
 class InputError(ValueError):
@@ -35,17 +32,38 @@ def check_inputs(config: TrellisConfig) -> None:
             problem = _missing(dataset.path, None, dataset.storage_options)
             if problem:
                 problems.append(f"{name}.path: {problem}")
-    for spec in user_function_specs(config):
-        try:
-            resolve_function(spec, launch_directory(config))
-        except UserCodeError as error:
-            problems.append(f"reward: {error}")
+    problems += user_code_problems(user_code_checks(config), launch_directory(config))
     try:
         shipped_code(config)
     except CodeBundleError as error:
         problems.append(f"cluster.code_dir: {error}")
     if problems:
         raise InputError("Cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+UserCodeCheck = tuple[str, str, str]  # (config key, spec, kind: reward / object / function)
+_LOADERS = {"reward": resolve_function, "object": load_attribute, "function": load_function}
+
+
+def user_code_checks(config: TrellisConfig) -> tuple[UserCodeCheck, ...]:
+    """What the config names in user code, and what each must be."""
+    checks = [("reward", spec, "reward") for spec in (config.reward.function, *config.reward.by_data_source.values())]
+    if config.agent.tools is not None:
+        checks.append(("agent.tools", config.agent.tools, "object"))
+    if config.agent.entrypoint is not None:
+        checks.append(("agent.entrypoint", config.agent.entrypoint, "function"))
+    return tuple(checks)
+
+
+def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path | None = None) -> list[str]:
+    """Each check imported as the workers will (from ``base_dir``, default the current directory)."""
+    problems = []
+    for name, spec, kind in checks:
+        try:
+            _LOADERS[kind](spec, base_dir)
+        except UserCodeError as error:
+            problems.append(f"{name}: {error}")
+    return problems
 
 
 def _missing(uri: str, marker: str | None, storage_options: dict[str, str]) -> str | None:
