@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.tiny import lookup_task
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
@@ -28,6 +29,17 @@ def reverse_data(tmp_path_factory) -> dict[str, Path]:
     return {
         "train": write_dataset(root / "train.parquet", 4096, seed=0),
         "eval": write_dataset(root / "eval.parquet", 512, seed=EVAL_SEED_OFFSET),
+    }
+
+
+@pytest.fixture(scope="session")
+def lookup(tmp_path_factory) -> dict[str, Path]:
+    """The bundled multi-turn task: its warmed-up model and prompts, as `trellis tiny-model --task lookup` makes them."""
+    root = tmp_path_factory.mktemp("lookup")
+    return {
+        "model": lookup_task.build_checkpoint(root / "model"),
+        "train": lookup_task.write_dataset(root / "train.parquet", 4096, seed=0),
+        "eval": lookup_task.write_dataset(root / "eval.parquet", 512, seed=lookup_task.EVAL_SEED_OFFSET),
     }
 
 

@@ -13,19 +13,8 @@ import pytest
 
 from engine.config.loading import load_config
 from engine.run.local import LocalRun
-from engine.tiny import lookup_task
 from flows.rl_train import rl_train
 from helpers import logged_metrics
-
-
-@pytest.fixture(scope="module")
-def lookup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lookup")
-    return {
-        "model": lookup_task.build_checkpoint(root / "model"),
-        "train": lookup_task.write_dataset(root / "train.parquet", 4096, seed=0),
-        "eval": lookup_task.write_dataset(root / "eval.parquet", 512, seed=lookup_task.EVAL_SEED_OFFSET),
-    }
 
 
 def lookup_config(lookup, work_dir, **changes):

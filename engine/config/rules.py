@@ -116,10 +116,10 @@ def trainer_problems(config: TrellisConfig) -> list[str]:
         return problems
     if config.debug_rollout or config.debug_train:
         problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
-    if config.agent.loop == "tool" and config.replay_buffer.enable_partial_rollout:
+    if config.agent.loop != "single_turn" and config.replay_buffer.enable_partial_rollout:
         problems.append(
-            "replay_buffer.enable_partial_rollout continues interrupted single responses; the tool loop's sessions are "
-            "finished before a weight sync instead: turn one of them off."
+            f"replay_buffer.enable_partial_rollout continues interrupted single responses; the {config.agent.loop} loop's "
+            "sessions start over instead (their tools may have had effects): turn one of them off."
         )
     if config.replay_buffer.mask_offpolicy_in_partial_rollout and not config.replay_buffer.enable_partial_rollout:
         problems.append("replay_buffer.mask_offpolicy_in_partial_rollout needs replay_buffer.enable_partial_rollout.")

@@ -72,16 +72,27 @@ class RewardConfig(Frozen):
 
 
 class AgentConfig(Frozen):
-    """How a sample is made: one response to the prompt (``single_turn``), or a session of turns in which
-    the model calls tools (``tool``). A tool session's response holds every turn, token for token as
+    """How a sample is made: one response to the prompt (``single_turn``), a session of turns in which
+    the model calls tools (``tool``), or your own agent talking to the policy through an OpenAI-compatible
+    endpoint (``openai``). A tool session's response holds every turn, token for token as
     generated, with the tools' outputs between them (masked out of the loss); ``rollout.max_new_tokens``
     is the budget of the whole session."""
 
-    loop: Literal["single_turn", "tool"] = "single_turn"
+    loop: Literal["single_turn", "tool", "openai"] = "single_turn"
     tools: str | None = Field(
         None,
         description="tool loop: `module:TOOLS` or `file.py:TOOLS`, a dict of name -> callable, a list of callables or one "
         "callable; the model's JSON arguments are passed as keywords.",
+    )
+    entrypoint: str | None = Field(
+        None,
+        description="openai loop: `module:function` or `file.py:function` of your agent, called per sample as "
+        "agent(task, base_url=..., api_key=...); it talks to the policy with openai.OpenAI(base_url=base_url, "
+        "api_key=api_key) and returns its reward, or None to leave scoring to reward.function.",
+    )
+    session_timeout_s: float = Field(120.0, gt=0.0, description="openai loop: an agent still running after this ends its session (timeout).")
+    batch_window_ms: float = Field(
+        20.0, gt=0.0, description="openai loop: calls arriving within this of each other are generated in one batch."
     )
     max_turns: int = Field(4, ge=1, description="Assistant turns per session; one still calling tools after them ends the session.")
     max_calls_per_turn: int = Field(4, ge=1)
@@ -100,6 +111,8 @@ class AgentConfig(Frozen):
     def _check(self) -> AgentConfig:
         if (self.loop == "tool") != (self.tools is not None):
             raise ValueError("agent.tools names the tools of the tool loop: set both agent.loop: tool and agent.tools, or neither.")
+        if (self.loop == "openai") != (self.entrypoint is not None):
+            raise ValueError("agent.entrypoint names the agent of the openai loop: set both agent.loop: openai and agent.entrypoint, or neither.")
         if "{output}" not in self.tool_response_template or "{responses}" not in self.tool_turn_template:
             raise ValueError("agent.tool_response_template needs {output}, and agent.tool_turn_template {responses}.")
         return self

@@ -65,7 +65,8 @@ class RolloutSample:
         }
         if self.agent is not None:
             sample.update(
-                response=self.agent["final_response"], turns=self.agent["turns"], tool_calls=self.agent["tool_calls"]
+                response=self.agent["final_response"], turns=self.agent["turns"], tool_calls=self.agent["tool_calls"],
+                stop_reason=self.agent["stop_reason"],
             )
         return sample
 

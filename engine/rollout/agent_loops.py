@@ -91,7 +91,7 @@ class ToolLoop:
         """Append an assistant turn; its tool calls if the session goes on, else [] (it has ended)."""
         ids = generation.response_ids[:left]
         text = self._decode(ids)
-        _append(sample, ids, generation.logprobs[:left], 1, version, {"role": "assistant", "text": text})
+        append_turn(sample, ids, generation.logprobs[:left], 1, version, {"role": "assistant", "text": text})
         sample.agent["final_response"] = text
         if generation.finish_reason == "abort":
             self._end(sample, "aborted", "abort")
@@ -125,7 +125,7 @@ class ToolLoop:
         if len(ids) >= budget_of(sample, params) - len(sample.response_ids):
             self._end(sample, "token_budget", "length")
             return False
-        _append(sample, ids, [0.0] * len(ids), 0, version, {"role": "tool", "text": text})
+        append_turn(sample, ids, [0.0] * len(ids), 0, version, {"role": "tool", "text": text})
         return True
 
     def _end(self, sample: RolloutSample, reason: str, finish_reason: str) -> None:
@@ -146,7 +146,8 @@ def _start(sample: RolloutSample, version: int) -> None:
     sample.agent = {"loop": "tool", "turns": [], "tool_calls": [], "stop_reason": None, "final_response": ""}
 
 
-def _append(sample: RolloutSample, ids: list[int], logprobs: list[float], mask: int, version: int, turn: dict) -> None:
+def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], mask: int, version: int, turn: dict) -> None:
+    """Append a turn's ids to the response, with its logprobs, loss mask and token span."""
     start = len(sample.response_ids)
     sample.response_ids = sample.response_ids + list(ids)
     sample.logprobs = sample.logprobs + list(logprobs)
@@ -161,4 +162,8 @@ def build_agent_loop(config: AgentConfig, tokenizer) -> AgentLoop:
 
     if config.loop == "single_turn":
         return SingleTurnLoop(decode)
+    if config.loop == "openai":
+        from engine.rollout.gateway_loop import GatewayLoop  # it builds on this module
+
+        return GatewayLoop(config, tokenizer)
     return ToolLoop(config, lambda text: tokenizer.encode(text, add_special_tokens=False), decode)

@@ -19,7 +19,7 @@ def agent_summary(samples: list[RolloutSample]) -> dict[str, float]:
         "agent/assistant_turns_mean": sum(turns) / len(turns),
         "agent/tool_calls": float(len(calls)),
         "agent/tool_errors": float(sum(call["error"] is not None for call in calls)),
-        "agent/tool_s_max": max((call["seconds"] for call in calls), default=0.0),
+        "agent/tool_s_max": max((call["seconds"] or 0.0 for call in calls), default=0.0),
     }
     for reason, count in Counter(agent["stop_reason"] for agent in sessions).items():
         summary[f"agent/ended_{reason}"] = float(count)

@@ -158,18 +158,29 @@ def budget_of(sample: RolloutSample, params: SamplingParams) -> int:
 
 
 def score(samples: list[RolloutSample], rewards: RewardRunner, overlong: OverlongShaping | None = None) -> None:
-    """Score the completed samples; a reward function that fails marks its sample FAILED. With
+    """Score the completed samples (a session whose agent reported its reward keeps it); a reward
+    function that fails marks its sample FAILED. With
     ``overlong`` (training only), a long response's penalty is added and kept in its payload."""
-    scorable = [s for s in samples if s.status == Status.COMPLETED]
+    completed = [s for s in samples if s.status == Status.COMPLETED]
+    scorable = [s for s in completed if _reported_reward(s) is None]
+    for sample in completed:
+        if _reported_reward(sample) is not None:
+            sample.reward, sample.reward_payload = _reported_reward(sample), {"from": "agent"}
     for sample, result in zip(scorable, rewards.score([s.reward_input() for s in scorable])):
         if result.error is not None:
             sample.fail(result.error)
-            continue
-        sample.reward, sample.reward_payload = result.score, result.payload
-        penalty = overlong.penalty(sample) if overlong is not None else 0.0
+        else:
+            sample.reward, sample.reward_payload = result.score, result.payload
+    for sample in completed:
+        penalty = overlong.penalty(sample) if overlong is not None and sample.status == Status.COMPLETED else 0.0
         if penalty:
-            sample.reward = result.score + penalty
-            sample.reward_payload = {**result.payload, "overlong_penalty": penalty}
+            sample.reward += penalty
+            sample.reward_payload = {**sample.reward_payload, "overlong_penalty": penalty}
+
+
+def _reported_reward(sample: RolloutSample) -> float | None:
+    """The reward an agent of the openai loop returned for its session, if it did."""
+    return sample.agent.get("reward") if sample.agent is not None else None
 
 
 def rollout_groups(

@@ -22,9 +22,14 @@ from transformers import (
 from engine.tiny.reverse_task import make_example
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# ChatML; a tool message is shown as the user's <tool_response>, and an assistant message's OpenAI
+# tool_calls as Hermes <tool_call> blocks, as Qwen's template does.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 WARMUP_STEPS = 60  # accuracy jumps sharply between steps 50 and 70: the count is pinned on purpose
 WARMUP_BATCH = 64

@@ -1,0 +1,95 @@
+"""Agents as a user writes them against the ``openai`` client, for the ``openai`` agent loop: each is
+called as agent(task, base_url=..., api_key=...) and talks to the policy like to any server."""
+
+import json
+import time
+
+import openai
+
+from engine.tiny.lookup_task import lookup
+
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "The value stored under a key.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
+
+
+def lookup_agent(task, base_url, api_key):
+    """Call the model with the lookup tool until it answers; run its tool calls locally."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(task["messages"])
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
+        if not reply.message.tool_calls:
+            return None  # reward.function scores the answer
+        for call in reply.message.tool_calls:
+            try:
+                output = lookup(**json.loads(call.function.arguments))
+            except Exception as error:
+                output = f"Error: {error}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    return None
+
+
+def self_scoring_lookup_agent(task, base_url, api_key):
+    """As lookup_agent, reporting its own reward: 1.0 for the value of the prompt's key."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages, looked_up = list(task["messages"]), False
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
+        if not reply.message.tool_calls:
+            return float(looked_up and (reply.message.content or "").strip() == task["label"])
+        for call in reply.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            looked_up = looked_up or arguments.get("key") == task["key"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(**arguments)})
+    return 0.0
+
+
+def raises_at_once(task, base_url, api_key):
+    raise RuntimeError("the agent broke before calling the model")
+
+
+def raises_after_a_call(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+    raise KeyError("missing_field")
+
+
+def sleeps_forever(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+    time.sleep(3600)
+
+
+def returns_garbage(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+    return "great job"
+
+
+def wrong_key(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key="sk-not-a-session", max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+
+
+def talks_past_its_budget(task, base_url, api_key):
+    """Keeps the conversation going with long user messages until the server refuses."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(task["messages"])
+    while True:
+        reply = client.chat.completions.create(model="p", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more " * 30}]
+
+
+def rewrites_history(task, base_url, api_key):
+    """Calls once, then drops the reply and asks something else: a second, unrelated conversation."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="p", messages=task["messages"])
+    client.chat.completions.create(model="p", messages=[{"role": "user", "content": "lookup ZZZZ"}])
+
+
+def must_not_score(sample):
+    raise AssertionError("the agent reported this session's reward: reward.function must not run")

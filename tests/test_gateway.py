@@ -1,0 +1,126 @@
+"""The openai agent loop: agents written against the ``openai`` client (tests/openai_agents.py) talk to
+the rollout gateway over real HTTP on loopback, and their sessions become training samples token for
+token, as the built-in tool loop makes them; bad agents end their sessions with a reason; a run
+trains through the Prefect flow on Ray with the agent's own reward."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.algo.losses import token_logprobs
+from engine.config import AgentConfig
+from engine.config.loading import load_config
+from engine.data.prepare import IGNORE, build_sequence
+from engine.data.samples import RolloutSample, Status
+from engine.rollout.agent_loops import build_agent_loop
+from engine.rollout.base import SamplingParams
+from engine.rollout.transformers_backend import TransformersRollout
+from engine.tiny import lookup_task
+from flows.rl_train import rl_train
+from helpers import lake_rows, logged_metrics
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+
+def lookup_samples(tokenizer, count):
+    samples = []
+    for index, row in enumerate(lookup_task.make_rows(count, seed=5)):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        samples.append(RolloutSample(
+            rollout_id=f"s{index}", group_id=f"g{index}", session_id=f"s{index}", prompt_index=index, messages=messages,
+            prompt_ids=tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False),
+            label=row["label"], data_source="lookup", task_name="lookup", extra={"key": row["key"]},
+        ))
+    return samples
+
+
+def run_loop(model_dir, count=8, params=GREEDY, **agent):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    loop = build_agent_loop(AgentConfig(**agent), tokenizer)
+    samples = lookup_samples(tokenizer, count)
+    started = time.monotonic()
+    try:
+        loop.run(samples, TransformersRollout(str(model_dir), tokenizer), params)
+    finally:
+        loop.close()
+    return samples, time.monotonic() - started
+
+
+def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
+    """The same model, prompts and greedy decoding through the built-in tool loop and through an agent
+    that runs the tool itself over the gateway: the same ids, masks and tool calls; the trainer's
+    logprobs match the gateway's on every generated token."""
+    through_gateway, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent")
+    built_in, _ = run_loop(lookup["model"], loop="tool", tools="engine.tiny.lookup_task:TOOLS", max_turns=3)
+    for ours, reference in zip(through_gateway, built_in):
+        assert ours.prompt_ids == reference.prompt_ids
+        assert ours.response_ids == reference.response_ids and ours.response_mask == reference.response_mask
+        assert [(c["name"], c["arguments"], c["output"]) for c in ours.agent["tool_calls"]] == [
+            (c["name"], c["arguments"], c["output"]) for c in reference.agent["tool_calls"]
+        ]
+        assert ours.agent["final_response"] == reference.agent["final_response"]
+        assert lookup_task.score(ours.reward_input()) == lookup_task.score(reference.reward_input())
+    session = through_gateway[0]
+    assert [turn["role"] for turn in session.agent["turns"]] == ["assistant", "context", "assistant"]
+    assert session.agent["stop_reason"] == "answer" and len(session.agent["calls"]) == 2
+
+    sequence = build_sequence(session, advantage=1.0)
+    model = AutoModelForCausalLM.from_pretrained(lookup["model"])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([sequence.input_ids])).logits
+    recomputed = token_logprobs(logits, torch.tensor([sequence.labels]), temperature=1.0)[0]
+    labelled = torch.tensor(sequence.labels) != IGNORE
+    assert labelled.sum() == sum(session.response_mask)
+    # Greedy rollout logprobs are of the raw logits, as the trainer's at temperature 1.
+    assert (recomputed[labelled] - torch.tensor(sequence.rollout_logprobs)[labelled]).abs().max() < 2e-4
+
+
+@pytest.mark.parametrize(
+    "agent, stop_reason, status, error",
+    [
+        ("raises_at_once", "agent_error", Status.FAILED, "RuntimeError: the agent broke before calling the model"),
+        ("raises_after_a_call", "agent_error", Status.COMPLETED, "KeyError: 'missing_field'"),
+        ("returns_garbage", "agent_error", Status.COMPLETED, "the agent returned str 'great job'"),
+        ("wrong_key", "agent_error", Status.FAILED, "unknown or expired session key"),
+        ("talks_past_its_budget", "token_budget", Status.COMPLETED, "session ended: token_budget"),
+        ("rewrites_history", "history_rewritten", Status.COMPLETED, None),
+        ("sleeps_forever", "timeout", Status.COMPLETED, "ran past agent.session_timeout_s=3"),
+    ],
+)
+def test_a_bad_agent_ends_its_session_with_a_reason_and_the_batch_goes_on(lookup, agent, stop_reason, status, error):
+    samples, seconds = run_loop(lookup["model"], count=4, loop="openai", entrypoint=f"openai_agents:{agent}", session_timeout_s=3)
+    assert seconds < 15, "a hung agent costs the batch its session timeout, not more"
+    for sample in samples:
+        assert sample.agent["stop_reason"] == stop_reason and sample.status == status
+        if error is not None:
+            assert error in (sample.agent.get("error") or sample.error or "")
+        assert len(sample.response_ids) == len(sample.response_mask) == len(sample.logprobs)
+        if status == Status.COMPLETED:
+            assert sample.response_mask[0] == 1  # the first reply, as generated, is kept for training
+
+
+def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp_path, ray_cluster, prefect_api):
+    """The agent scores its sessions itself; reward.function would fail every sample if it ran."""
+    config = load_config(
+        "configs/tiny_lookup.yaml",
+        load_from=str(lookup["model"]),
+        train_dataset={"path": str(lookup["train"]), "max_prompt_length": 64},
+        eval_dataset={"path": str(lookup["eval"]), "max_prompt_length": 64, "limit": 128},
+        work_dir=str(tmp_path), total_train_steps=6, evaluate_step=6, checkpoint_interval=-1,
+        agent={"loop": "openai", "entrypoint": "openai_agents:self_scoring_lookup_agent"},
+        reward={"function": "openai_agents:must_not_score"},
+        cluster={"address": ray_cluster["address"], "code_dir": str(Path(__file__).parent)},
+    )
+    rl_train(config)
+
+    metrics = logged_metrics(config)
+    assert all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 7))
+    assert metrics[6]["eval/accuracy"] > metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[6]["eval/accuracy"])
+    rows = lake_rows(config)
+    assert len(rows) == 6 * 128
+    assert all(json.loads(row["reward_payload"]) == {"from": "agent"} for row in rows)
+    assert sum(row["reward"] for row in rows) > 0
