@@ -1,6 +1,6 @@
-"""Evaluation: accuracy and pass@k per data source on a held-out prompt set.
+"""Evaluation: accuracy and pass@k per data source and per task on a held-out prompt set.
 
-Any sample with a ``status``, a ``reward`` and a ``data_source`` will do (``RolloutSample`` has them),
+Any sample with a ``status``, a ``reward``, a ``data_source`` and a ``task_name`` will do (``RolloutSample`` has them),
 so these functions need nothing from the rest of the engine.
 """
 
@@ -15,6 +15,7 @@ class ScoredSample(Protocol):
     status: str  # "completed" when generated and scored
     reward: float | None
     data_source: str
+    task_name: str
 
 
 COMPLETED, FAILED = "completed", "failed"
@@ -28,14 +29,16 @@ def pass_at_k_estimate(samples: int, correct: int, k: int) -> float:
 
 
 def evaluation_metrics(groups: Sequence[Sequence[ScoredSample]], *, k: int, threshold: float = 0.5) -> dict[str, float]:
-    """``accuracy`` (mean of correct samples), ``pass@k`` and ``failed`` overall and per data source."""
-    by_source: dict[str, Sequence[Sequence[ScoredSample]]] = defaultdict(list)
-    for group in groups:
-        by_source[group[0].data_source].append(group)
+    """``accuracy`` (mean of correct samples), ``pass@k`` and ``failed`` overall, per data source and per task."""
     metrics = _metrics_of(groups, k, threshold)
-    if len(by_source) > 1:
-        for source, source_groups in sorted(by_source.items()):
-            metrics.update({f"{source}/{key}": value for key, value in _metrics_of(source_groups, k, threshold).items()})
+    for attribute in ("data_source", "task_name"):  # a name both a source and a task keeps the source's figures
+        by_value: dict[str, list[Sequence[ScoredSample]]] = defaultdict(list)
+        for group in groups:
+            by_value[getattr(group[0], attribute)].append(group)
+        if len(by_value) > 1:
+            for value, value_groups in sorted(by_value.items()):
+                for key, figure in _metrics_of(value_groups, k, threshold).items():
+                    metrics.setdefault(f"{value}/{key}", figure)
     return metrics
 
 

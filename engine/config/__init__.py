@@ -15,6 +15,7 @@ from engine.config.sections import (
     RewardConfig,
     RolloutConfig,
     RolloutISConfig,
+    TaskConfig,
     TrainWorkerConfig,
 )
 from engine.config.trellis import TrellisConfig
@@ -33,6 +34,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RolloutISConfig",
+    "TaskConfig",
     "TrainWorkerConfig",
     "TrellisConfig",
 ]

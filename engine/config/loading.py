@@ -43,6 +43,8 @@ def parse_config(raw: dict[str, Any]) -> TrellisConfig:
         return TrellisConfig.model_validate(raw)
     except ValidationError as error:
         problems = describe_problems(error, TrellisConfig)
+        if raw.get("train_dataset") is None and not raw.get("tasks") and not any("train_dataset" in p for p in problems):
+            problems.append("train_dataset: required, but not set (or tasks, for a multi-task run)")
         unknown = [item["loc"] for item in error.errors() if item["type"] == "extra_forbidden"]
         if unknown:
             try:

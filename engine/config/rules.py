@@ -59,8 +59,29 @@ def mode_problems(config: TrellisConfig) -> list[str]:
     elif (config.debug_rollout or config.debug_train) and config.debug_rollout_dir is None:
         mode = "debug_rollout" if config.debug_rollout else "debug_train"
         problems.append(f"debug_rollout_dir must be set when {mode}=true.")
-    if (config.enable_evaluate or config.enable_initial_evaluate) and config.eval_dataset is None:
-        problems.append("Evaluation is enabled but eval_dataset is not set; set one or enable_evaluate=false.")
+    if (config.enable_evaluate or config.enable_initial_evaluate) and not config.eval_datasets:
+        where = "no task has an eval_dataset" if config.tasks else "eval_dataset is not set"
+        problems.append(f"Evaluation is enabled but {where}; set one or enable_evaluate=false.")
+    return problems
+
+
+def task_problems(config: TrellisConfig) -> list[str]:
+    if not config.tasks:
+        return [] if config.train_dataset is not None else ["train_dataset: required, but not set (or tasks, for a multi-task run)"]
+    problems = []
+    if config.train_dataset is not None or config.eval_dataset is not None:
+        problems.append("With tasks, each task has its own train_dataset and eval_dataset: leave the top-level ones unset.")
+    names = [task.name for task in config.tasks]
+    if len(set(names)) < len(names):
+        problems.append(f"tasks need distinct names, got {names}.")
+    for task in config.tasks:
+        if task.max_new_tokens is not None and task.max_new_tokens > config.rollout.max_new_tokens:
+            problems.append(
+                f"tasks[{task.name}].max_new_tokens={task.max_new_tokens} exceeds rollout.max_new_tokens="
+                f"{config.rollout.max_new_tokens}, the run's budget (and its trainer's packing)."
+            )
+        if task.reward is not None and task.reward.overlong_buffer_len:
+            problems.append(f"tasks[{task.name}].reward.overlong_buffer_len: overlong shaping is the run's; set reward.overlong_buffer_len.")
     return problems
 
 
@@ -90,7 +111,7 @@ def algorithm_problems(config: TrellisConfig) -> list[str]:
     if advantage.estimator == "pass_at_k" and advantage.pass_at_k > group:
         problems.append(f"advantage.pass_at_k={advantage.pass_at_k} exceeds prompt_repeat_k={group}.")
     worker = config.train_worker
-    longest = config.train_dataset.max_prompt_length + config.rollout.max_new_tokens - 1
+    longest = config.max_prompt_length + config.rollout.max_new_tokens - 1
     if longest > worker.pack_max_length:
         problems.append(
             f"train_worker.pack_max_length={worker.pack_max_length} cannot hold a sample of "
@@ -116,11 +137,13 @@ def trainer_problems(config: TrellisConfig) -> list[str]:
         return problems
     if config.debug_rollout or config.debug_train:
         problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
-    if config.agent.loop != "single_turn" and config.replay_buffer.enable_partial_rollout:
-        problems.append(
-            f"replay_buffer.enable_partial_rollout continues interrupted single responses; the {config.agent.loop} loop's "
-            "sessions start over instead (their tools may have had effects): turn one of them off."
-        )
+    for agent in config.agents:
+        if agent.loop != "single_turn" and config.replay_buffer.enable_partial_rollout:
+            problems.append(
+                f"replay_buffer.enable_partial_rollout continues interrupted single responses; the {agent.loop} loop's "
+                "sessions start over instead (their tools may have had effects): turn one of them off."
+            )
+            break
     if config.replay_buffer.mask_offpolicy_in_partial_rollout and not config.replay_buffer.enable_partial_rollout:
         problems.append("replay_buffer.mask_offpolicy_in_partial_rollout needs replay_buffer.enable_partial_rollout.")
     return problems
@@ -156,4 +179,4 @@ def resource_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
-RULES = (mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)
+RULES = (task_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)

@@ -240,6 +240,22 @@ class TrainWorkerConfig(Frozen):
         return self
 
 
+class TaskConfig(Frozen):
+    """One task of a multi-task run: its prompts, how its samples are made and scored, and its share of
+    each batch. Unset fields take the run's (``agent``, ``reward``, ``rollout.*``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Also the task_name of its samples, and its metrics' prefix.")
+    weight: float = Field(1.0, gt=0.0, description="Each group of a batch is drawn from a task with probability weight / total.")
+    train_dataset: DatasetConfig
+    eval_dataset: DatasetConfig | None = None
+    agent: AgentConfig | None = None
+    reward: RewardConfig | None = None
+    temperature: float | None = Field(None, ge=0.0, description="Training rollouts of this task; evaluation keeps rollout.eval_temperature.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    max_new_tokens: int | None = Field(None, gt=0, description="This task's cap on response tokens, below rollout.max_new_tokens.")
+
+
 class DynamicSamplingConfig(Frozen):
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under a group
     baseline and teaches nothing, so it is dropped (FILTERED, kept in the lake) and more prompts are

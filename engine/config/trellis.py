@@ -27,6 +27,7 @@ from engine.config.sections import (
     ResourcesConfig,
     RewardConfig,
     RolloutConfig,
+    TaskConfig,
     TrainWorkerConfig,
 )
 
@@ -36,8 +37,11 @@ class TrellisConfig(Frozen):
 
     load_from: Location = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
     tokenizer_path: Location | None = Field(None, description="Defaults to load_from.")
-    train_dataset: DatasetConfig
+    train_dataset: DatasetConfig | None = Field(None, description="The prompts of a one-task run; several tasks go in `tasks`.")
     eval_dataset: DatasetConfig | None = None
+    tasks: list[TaskConfig] = Field(
+        default_factory=list, description="A multi-task run: each task with its dataset, agent loop, reward and weight."
+    )
     work_dir: Location = Field("work_dirs", validate_default=True, description="Any fsspec URI: trajectories, checkpoints, logs go here.")
     experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     storage_options: StorageOptions = Field(
@@ -109,6 +113,30 @@ class TrellisConfig(Frozen):
         if problems:
             raise ValueError("\n".join(problems))  # the loader lists each line as one problem
         return self
+
+    @property
+    def train_datasets(self) -> list[DatasetConfig]:
+        if self.tasks:
+            return [task.train_dataset for task in self.tasks]
+        return [self.train_dataset] if self.train_dataset is not None else []
+
+    @property
+    def eval_datasets(self) -> list[DatasetConfig]:
+        found = [task.eval_dataset for task in self.tasks] if self.tasks else [self.eval_dataset]
+        return [dataset for dataset in found if dataset is not None]
+
+    @property
+    def max_prompt_length(self) -> int:
+        return max((dataset.max_prompt_length for dataset in self.train_datasets), default=0)
+
+    @property
+    def agents(self) -> list[AgentConfig]:
+        """Every agent loop of the run (the run's, and its tasks' own)."""
+        return [self.agent, *(task.agent for task in self.tasks if task.agent is not None)]
+
+    @property
+    def rewards(self) -> list[RewardConfig]:
+        return [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
 
     @property
     def disaggregated(self) -> bool:

@@ -171,6 +171,7 @@ def _response_info(
     response_len = torch.tensor([float(len(s.response_ids)) for s in samples] or [0.0])
     prompt_len = torch.tensor([float(len(s.prompt_ids)) for s in samples] or [0.0])
     return {
+        **_per_task(valid),
         "batch_size": float(len(samples)),
         "training_samples": float(len(sequences)),
         "training_tokens": float(sum(seq.num_tokens for seq in sequences)),
@@ -189,3 +190,18 @@ def _response_info(
         "prompt_len/min": prompt_len.min().item(),
         "prompt_len/max": prompt_len.max().item(),
     }
+
+
+def _per_task(groups: list[list[RolloutSample]]) -> dict[str, float]:
+    """``{task}/rewards/mean``, ``{task}/response_len/mean`` and ``{task}/groups`` when the batch mixes tasks."""
+    by_task: dict[str, list[RolloutSample]] = {}
+    for group in groups:
+        by_task.setdefault(group[0].task_name, []).extend(group)
+    if len(by_task) < 2:
+        return {}
+    info = {}
+    for task, samples in sorted(by_task.items()):
+        info[f"{task}/rewards/mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)
+        info[f"{task}/response_len/mean"] = sum(len(s.response_ids) for s in samples) / len(samples)
+        info[f"{task}/groups"] = float(sum(group[0].task_name == task for group in groups))
+    return info

@@ -17,7 +17,7 @@ def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
     if rollout.backend == "vllm":
         from engine.rollout.vllm_backend import VllmRollout  # vLLM is an optional extra
 
-        longest = config.train_dataset.max_prompt_length + rollout.max_new_tokens
+        longest = config.max_prompt_length + rollout.max_new_tokens
         return VllmRollout(
             config.load_from,
             tokenizer,

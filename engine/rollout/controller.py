@@ -21,11 +21,8 @@ from engine.algo.eval_metrics import evaluation_metrics
 from engine.rollout.shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch, prepare_train_data
-from engine.data.prompts import PromptRecord, load_prompts
-from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample
 from engine.rng import capture_rng, restore_rng
-from engine.rollout.agent_loops import build_agent_loop
 from engine.rollout.base import RolloutBackend
 from engine.rollout.dynamic_sampling import fill_batch
 from engine.rollout.produce import (
@@ -35,7 +32,7 @@ from engine.rollout.produce import (
     step_seed,
 )
 from engine.rollout.producer import Producer
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.task_mix import rollout_inputs
 from engine.storage.checkpoints import load_object, save_object
 from engine.storage.lake import (
     SCHEMA,
@@ -58,14 +55,10 @@ class Controller:
     def __init__(self, config: TrellisConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_source)
-        prompts, self.train_report = load_prompts(config.train_dataset, self.tokenizer)
-        self.sampler: PromptSampler[PromptRecord] = PromptSampler(prompts, seed=config.seed)
-        self.eval_prompts: list[PromptRecord] = []
-        if config.eval_dataset is not None:
-            self.eval_prompts, _ = load_prompts(config.eval_dataset, self.tokenizer)
-        self.rewards = RewardRunner(config.reward)
+        inputs = rollout_inputs(config, self.tokenizer)  # one task's, or a multi-task mix's
+        self.sampler, self.train_report, self.eval_prompts = inputs.sampler, inputs.train_report, inputs.eval_prompts
+        self.rewards, self.agent_loop, self.eval_loop = inputs.rewards, inputs.train_loop, inputs.eval_loop
         self.overlong = OverlongShaping.of(config)
-        self.agent_loop = build_agent_loop(config.agent, self.tokenizer)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
         self.producer: Producer | None = None
@@ -144,7 +137,7 @@ class Controller:
             params=sampling_params(rollout, seed=step_seed(self.config.seed, step, salt=1), evaluation=True),
             train_step=step,
             id_prefix="eval-",
-            agent_loop=self.agent_loop,
+            agent_loop=self.eval_loop,
         )
         return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
 

@@ -47,8 +47,9 @@ class CodeBundle:
 
 def user_function_specs(config: TrellisConfig) -> tuple[str, ...]:
     """Every function the config names: reward functions, the tool loop's tools, the openai loop's agent."""
-    agent = tuple(spec for spec in (config.agent.tools, config.agent.entrypoint) if spec is not None)
-    return (config.reward.function, *config.reward.by_data_source.values(), *agent)
+    rewards = [spec for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
+    agents = [spec for agent in config.agents for spec in (agent.tools, agent.entrypoint) if spec is not None]
+    return tuple(dict.fromkeys(rewards + agents))
 
 
 def launch_directory(config: TrellisConfig) -> Path:
@@ -125,9 +126,8 @@ def _write_zip(files: list[tuple[str, Path]], target: Path) -> None:
 
 def _named_by(config: TrellisConfig, root: Path) -> list[str]:
     """Gitignore patterns for the local paths the config reads or writes that lie inside ``root``."""
-    paths = [config.load_from, config.tokenizer_path, config.train_dataset.path, config.work_dir, config.debug_rollout_dir]
-    if config.eval_dataset is not None:
-        paths.append(config.eval_dataset.path)
+    datasets = [dataset.path for dataset in (*config.train_datasets, *config.eval_datasets)]
+    paths = [config.load_from, config.tokenizer_path, *datasets, config.work_dir, config.debug_rollout_dir]
     patterns = []
     for location in paths:
         if not location or "://" in location:

@@ -37,7 +37,7 @@ def evaluate_checkpoint(
 ) -> CheckpointEvaluation:
     """``samples_per_prompt`` and ``temperature`` replace the config's eval settings (pass@k needs
     k > 1 samples, and sampling rather than greedy decoding, to say more than accuracy)."""
-    if config.eval_dataset is None:
+    if not config.eval_datasets:
         raise EvaluationError(f"{config.experiment_name}: the config has no eval_dataset to evaluate on.")
     changes = {"eval_samples_per_prompt": samples_per_prompt, "eval_temperature": temperature}
     changes = {k: v for k, v in changes.items() if v is not None}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fsspec
 
-from engine.config import TrellisConfig
+from engine.config import DatasetConfig, TrellisConfig
 from engine.rollout.rewards import resolve_function
 from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from engine.user_code import UserCodeError, load_attribute, load_function
@@ -27,11 +27,10 @@ def check_inputs(config: TrellisConfig) -> None:
         problem = _missing(uri, marker, config.storage_options)
         if problem:
             problems.append(f"{name}: {problem}")
-    for name, dataset in (("train_dataset", config.train_dataset), ("eval_dataset", config.eval_dataset)):
-        if dataset is not None:
-            problem = _missing(dataset.path, None, dataset.storage_options)
-            if problem:
-                problems.append(f"{name}.path: {problem}")
+    for name, dataset in _datasets(config):
+        problem = _missing(dataset.path, None, dataset.storage_options)
+        if problem:
+            problems.append(f"{name}.path: {problem}")
     problems += user_code_problems(user_code_checks(config), launch_directory(config))
     try:
         shipped_code(config)
@@ -47,12 +46,18 @@ _LOADERS = {"reward": resolve_function, "object": load_attribute, "function": lo
 
 def user_code_checks(config: TrellisConfig) -> tuple[UserCodeCheck, ...]:
     """What the config names in user code, and what each must be."""
-    checks = [("reward", spec, "reward") for spec in (config.reward.function, *config.reward.by_data_source.values())]
-    if config.agent.tools is not None:
-        checks.append(("agent.tools", config.agent.tools, "object"))
-    if config.agent.entrypoint is not None:
-        checks.append(("agent.entrypoint", config.agent.entrypoint, "function"))
-    return tuple(checks)
+    checks = [("reward", spec, "reward") for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
+    checks += [("agent.tools", agent.tools, "object") for agent in config.agents if agent.tools is not None]
+    checks += [("agent.entrypoint", agent.entrypoint, "function") for agent in config.agents if agent.entrypoint is not None]
+    return tuple(dict.fromkeys(checks))
+
+
+def _datasets(config: TrellisConfig) -> list[tuple[str, DatasetConfig]]:
+    if not config.tasks:
+        found = [("train_dataset", config.train_dataset), ("eval_dataset", config.eval_dataset)]
+    else:
+        found = [(f"tasks[{t.name}].{key}", getattr(t, key)) for t in config.tasks for key in ("train_dataset", "eval_dataset")]
+    return [(name, dataset) for name, dataset in found if dataset is not None]
 
 
 def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path | None = None) -> list[str]:

@@ -1,0 +1,167 @@
+"""What the rollout side draws prompts from and makes samples with, for one task or several.
+
+A one-task run has one prompt sampler, one reward runner and one agent loop. A multi-task run
+(``tasks:``) gets the same three behind the same interfaces: a sampler that draws each group's task
+with probability weight / total (seeded per draw, so a retried or resumed step draws the same mix), a
+reward runner that sends each sample to its task's, and an agent loop that runs each task's samples
+through its own loop and sampling settings, one task after the other. Every sample carries its task's
+name as ``task_name``, which the per-task metrics (``response/{task}/...``, ``eval/{task}/...``) read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from engine.config import TaskConfig, TrellisConfig
+from engine.data.prompts import PromptRecord, SkipReport, load_prompts
+from engine.data.sampler import PromptSampler
+from engine.data.samples import RolloutSample
+from engine.rollout.agent_loops import AgentLoop, build_agent_loop
+from engine.rollout.base import RolloutBackend, SamplingParams
+from engine.rollout.rewards import RewardResult, RewardRunner
+
+
+@dataclass
+class RolloutInputs:
+    sampler: Any  # PromptSampler or MixedSampler: draw, state_dict, load_state_dict, len
+    train_report: Any  # SkipReport or TaskReports: summary()
+    eval_prompts: list[PromptRecord]
+    rewards: Any  # RewardRunner or TaskRewards: score, close
+    train_loop: AgentLoop
+    eval_loop: AgentLoop
+
+
+def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
+    if not config.tasks:
+        assert config.train_dataset is not None  # the config requires one or the other
+        prompts, report = load_prompts(config.train_dataset, tokenizer)
+        eval_prompts = load_prompts(config.eval_dataset, tokenizer)[0] if config.eval_dataset is not None else []
+        loop = build_agent_loop(config.agent, tokenizer)
+        return RolloutInputs(PromptSampler(prompts, seed=config.seed), report, eval_prompts, RewardRunner(config.reward), loop, loop)
+    tasks = [_build_task(task, config, tokenizer) for task in config.tasks]
+    return RolloutInputs(
+        sampler=MixedSampler(tasks, seed=config.seed),
+        train_report=TaskReports({task.name: task.report for task in tasks}),
+        eval_prompts=[prompt for task in tasks for prompt in task.eval_prompts],
+        rewards=TaskRewards(tasks),
+        train_loop=TaskLoops(tasks, evaluation=False),
+        eval_loop=TaskLoops(tasks, evaluation=True),
+    )
+
+
+@dataclass
+class _Task:
+    config: TaskConfig
+    sampler: PromptSampler[PromptRecord]
+    report: SkipReport
+    eval_prompts: list[PromptRecord]
+    rewards: RewardRunner
+    loop: AgentLoop
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+def _build_task(task: TaskConfig, config: TrellisConfig, tokenizer: Any) -> _Task:
+    prompts, report = load_prompts(task.train_dataset, tokenizer)
+    eval_prompts = load_prompts(task.eval_dataset, tokenizer)[0] if task.eval_dataset is not None else []
+    if not prompts:
+        raise ValueError(f"tasks[{task.name}]: no usable prompt in {task.train_dataset.path} ({report.summary()}).")
+    return _Task(
+        config=task,
+        sampler=PromptSampler([_of_task(p, task) for p in prompts], seed=config.seed),
+        report=report,
+        eval_prompts=[_of_task(p, task) for p in eval_prompts],
+        rewards=RewardRunner(task.reward or config.reward),
+        loop=build_agent_loop(task.agent or config.agent, tokenizer),
+    )
+
+
+def _of_task(record: PromptRecord, task: TaskConfig) -> PromptRecord:
+    caps = [cap for cap in (record.max_new_tokens, task.max_new_tokens) if cap is not None]
+    return dataclasses.replace(record, task_name=task.name, max_new_tokens=min(caps) if caps else None)
+
+
+class TaskReports:
+    def __init__(self, reports: dict[str, SkipReport]) -> None:
+        self.reports = reports
+
+    def summary(self) -> str:
+        return "; ".join(f"{name}: {report.summary()}" for name, report in self.reports.items())
+
+
+class MixedSampler:
+    def __init__(self, tasks: list[_Task], *, seed: int) -> None:
+        self._tasks, self._seed, self._draws = tasks, seed, 0
+        self._weights = torch.tensor([task.config.weight for task in tasks], dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return sum(len(task.sampler) for task in self._tasks)
+
+    def draw(self, count: int) -> list[tuple[int, PromptRecord]]:
+        generator = torch.Generator().manual_seed(self._seed * 1_000_003 + self._draws)
+        picks = Counter(torch.multinomial(self._weights, count, replacement=True, generator=generator).tolist())
+        self._draws += 1
+        return [item for index, task in enumerate(self._tasks) for item in task.sampler.draw(picks[index])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self._draws, "tasks": {task.name: task.sampler.state_dict() for task in self._tasks}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [task.name for task in self._tasks if task.name not in state.get("tasks", {})]
+        if missing:
+            raise ValueError(f"The checkpoint's sampler state has no task {missing}: was it saved by a run with other tasks?")
+        self._draws = state["draws"]
+        for task in self._tasks:
+            task.sampler.load_state_dict(state["tasks"][task.name])
+
+
+class TaskRewards:
+    def __init__(self, tasks: list[_Task]) -> None:
+        self._runners = {task.name: task.rewards for task in tasks}
+
+    def score(self, samples: list[dict[str, Any]]) -> list[RewardResult]:
+        results: list[RewardResult | None] = [None] * len(samples)
+        for name, runner in self._runners.items():
+            mine = [i for i, sample in enumerate(samples) if sample["task_name"] == name]
+            for index, result in zip(mine, runner.score([samples[i] for i in mine]) if mine else []):
+                results[index] = result
+        return [result or RewardResult(None, {}, f"no task named {samples[i]['task_name']!r}") for i, result in enumerate(results)]
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.close()
+
+
+class TaskLoops:
+    """Each task's samples through its own agent loop; training rollouts with its own sampling settings."""
+
+    def __init__(self, tasks: list[_Task], *, evaluation: bool) -> None:
+        self._tasks, self._evaluation = tasks, evaluation
+
+    def run(self, samples: list[RolloutSample], backend: RolloutBackend, params: SamplingParams) -> None:
+        for _ in self.stream(samples, backend, params):
+            pass
+
+    def stream(self, samples: list[RolloutSample], backend: RolloutBackend, params: SamplingParams) -> Iterator[RolloutSample]:
+        for task in self._tasks:
+            mine = [sample for sample in samples if sample.task_name == task.name]
+            if mine:
+                yield from task.loop.stream(mine, backend, self._params(task.config, params))
+
+    def _params(self, task: TaskConfig, params: SamplingParams) -> SamplingParams:
+        if self._evaluation:
+            return params
+        changes = {"temperature": task.temperature, "top_p": task.top_p, "top_k": task.top_k}
+        return dataclasses.replace(params, **{key: value for key, value in changes.items() if value is not None})
+
+    def close(self) -> None:
+        if not self._evaluation:  # the evaluation view shares the training view's loops
+            for task in self._tasks:
+                task.loop.close()
