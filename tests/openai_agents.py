@@ -93,3 +93,13 @@ def rewrites_history(task, base_url, api_key):
 
 def must_not_score(sample):
     raise AssertionError("the agent reported this session's reward: reward.function must not run")
+
+
+def short_replies(task, base_url, api_key):
+    """Caps its first reply at 2 tokens with max_tokens, then asks the model to go on."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(task["messages"])
+    first = client.chat.completions.create(model="p", messages=messages, max_tokens=2).choices[0]
+    assert first.finish_reason == "length", first.finish_reason
+    messages += [first.message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    client.chat.completions.create(model="p", messages=messages)

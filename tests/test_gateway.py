@@ -103,6 +103,16 @@ def test_a_bad_agent_ends_its_session_with_a_reason_and_the_batch_goes_on(lookup
             assert sample.response_mask[0] == 1  # the first reply, as generated, is kept for training
 
 
+def test_a_reply_cut_by_the_requests_max_tokens_leaves_the_session_going(lookup):
+    [sample], _ = run_loop(lookup["model"], count=1, loop="openai", entrypoint="openai_agents:short_replies")
+    assert sample.agent["stop_reason"] == "answer" and [c["completion_tokens"] for c in sample.agent["calls"]][0] == 2
+    first, context, _ = sample.agent["turns"]
+    assert (first["role"], context["role"]) == ("assistant", "context") and first["end"] - first["start"] == 2
+    # The reply had no end token of its own: the template's closing of it comes as context, untrained.
+    assert context["text"].startswith("<|im_end|>\n<|im_start|>user\ngo on")
+    assert set(sample.response_mask[context["start"] : context["end"]]) == {0}
+
+
 def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp_path, ray_cluster, prefect_api):
     """The agent scores its sessions itself; reward.function would fail every sample if it ran."""
     config = load_config(

@@ -64,13 +64,17 @@ class ChatSession:
             raise SessionEnded("session ended: token_budget (the new messages fill the session's token budget)")
         return self.sample.prompt_ids + self.sample.response_ids, left
 
-    def record(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict) -> None:
+    def record(
+        self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict, budget_spent: bool
+    ) -> None:
         """The model's reply to the call ``prompt_for`` prepared; ``reply`` is the message the agent gets."""
         with self._lock:
             if not self.closed:
-                self._record(ids, logprobs, text, finish_reason, version, reply)
+                self._record(ids, logprobs, text, finish_reason, version, reply, budget_spent)
 
-    def _record(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict) -> None:
+    def _record(
+        self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict, budget_spent: bool
+    ) -> None:
         sample = self.sample
         sample.agent["calls"].append({"completion_tokens": len(ids), "finish_reason": finish_reason})
         if not self.recording:
@@ -87,7 +91,7 @@ class ChatSession:
         sample.policy_version = min(sample.response_versions)
         if finish_reason == "abort":
             self.end("aborted", finish_reason="abort")
-        elif finish_reason == "length":
+        elif budget_spent:
             self.end("token_budget", finish_reason="length")
 
     def end(self, reason: str, finish_reason: str = "stop") -> None:

@@ -110,7 +110,9 @@ class Gateway:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
         finish = "length" if len(generation.response_ids) > limit else generation.finish_reason
         message = _message(text, with_tools=request.tools is not None)
-        session.record(ids, generation.logprobs[:limit], text, finish, self.batcher.policy_version, message)
+        # A reply cut by the request's own max_tokens leaves the session going; one cut by its budget ends it.
+        budget_spent = finish == "length" and limit >= left
+        session.record(ids, generation.logprobs[:limit], text, finish, self.batcher.policy_version, message, budget_spent)
         choice = {"index": 0, "message": message, "finish_reason": _openai_finish(finish, message)}
         if request.logprobs:
             tokens = self._tokenizer.convert_ids_to_tokens(ids)
