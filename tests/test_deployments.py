@@ -19,7 +19,7 @@ def test_prefect_yaml_is_rendered_from_the_configs():
     assert PREFECT_YAML.read_text() == render(bundled_configs()), "run `trellis deployments render`"
     spec = yaml.safe_load(PREFECT_YAML.read_text())
     deployments = {(d["entrypoint"].rpartition(":")[2], d["name"]): d for d in spec["deployments"]}
-    names = ["tiny-reverse", "tiny-reverse-async"]  # one of each flow per file of configs/
+    names = ["tiny-lookup", "tiny-reverse", "tiny-reverse-async"]  # one of each flow per file of configs/
     flows = ["evaluate_checkpoint", "export", "rescore", "rl_train"]
     assert sorted(deployments) == [(flow, name) for flow in flows for name in names]
     for (flow_name, name), deployment_spec in deployments.items():
