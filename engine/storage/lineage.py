@@ -233,7 +233,8 @@ def trace_sample(run_uri: str, rollout_id: str, storage_options: Mapping[str, An
         raise LakeError(f"{run_uri} has no trajectories.")
     dataset = ds.dataset(path, filesystem=PyFileSystem(FSSpecHandler(fs)), format="parquet", partitioning="hive")
     columns = [c for c in ("split", "step", "policy_version", "reward", "checkpoint", "flow_run_id") if c in dataset.schema.names]
-    rows = dataset.to_table(columns=columns, filter=ds.field("rollout_id") == rollout_id).to_pylist()
+    # Threaded reads through a Python filesystem can abort the process at exit (apache/arrow#34314).
+    rows = dataset.to_table(columns=columns, filter=ds.field("rollout_id") == rollout_id, use_threads=False).to_pylist()
     if not rows:
         raise LakeError(f"No trajectory row of {run_uri} has rollout_id {rollout_id!r}.")
     row = min(rows, key=lambda r: (r["split"] != "train", r["split"]))  # the row as trained, before any copy
