@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,9 +24,9 @@ HERE = Path(__file__).resolve().parent
 WARMUP_STEPS = 3  # first steps pay for lazy init (worker spawn, allocator): not a steady-state step
 
 
-def run(script: str, model: Path, data: Path, steps: int, out: Path) -> dict:
+def run(script: str, model: Path, data: Path, steps: int, out: Path, env: dict[str, str]) -> dict:
     subprocess.run([sys.executable, str(HERE / script), str(model), str(data), str(steps), str(out)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE, env={**os.environ, **env})
     return json.loads(out.read_text())
 
 
@@ -42,23 +43,32 @@ def main() -> None:
         root = Path(tmp)
         model = build_tiny_checkpoint(root / "tiny")
         data = write_dataset(root / "train.parquet", 4096, seed=0)
-        contestants = (("trellis", "trellis_step.py", WARMUP_STEPS), ("trellis-flow", "trellis_flow_step.py", 0), ("trl", "trl_peer.py", WARMUP_STEPS))
-        results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": []} for name, _, _ in contestants}
+        # flow-prefect-defaults: the flow step on a temporary Prefect server with Prefect's own settings,
+        # for what flows.prefect_settings saves.
+        contestants = (
+            ("trellis", "trellis_step.py", WARMUP_STEPS, {}),
+            ("trellis-flow", "trellis_flow_step.py", 0, {}),
+            ("flow-prefect-defaults", "trellis_flow_step.py", 0, {"TRELLIS_BENCH_PREFECT_DEFAULTS": "1"}),
+            ("trl", "trl_peer.py", WARMUP_STEPS, {}),
+        )
+        results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": []} for name, _, _, _ in contestants}
         for round_index in range(args.rounds):
-            for name, script, skip in contestants:
-                figures = run(script, model, data, args.steps, root / f"{name}-{round_index}.json")
+            for name, script, skip, env in contestants:
+                figures = run(script, model, data, args.steps, root / f"{name}-{round_index}.json", env)
                 results[name]["wall"] += figures["wall"][skip:]
                 results[name]["cpu"] += figures["cpu"][skip:]
                 results[name]["overhead"] += figures.get("overhead", [])
                 results[name]["rss"].append(figures["peak_rss_gb"])
-                print(f"round {round_index + 1} {name:12s} median {statistics.median(figures['wall'][skip:]):.3f} s/step", flush=True)
+                print(f"round {round_index + 1} {name:21s} median {statistics.median(figures['wall'][skip:]):.3f} s/step", flush=True)
 
     medians = {name: statistics.median(r["wall"]) for name, r in results.items()}
     for name, r in results.items():
-        print(f"{name:12s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
+        print(f"{name:21s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
               f"RSS {max(r['rss']):.2f} GB (driver process)   steps timed {len(r['wall'])}")
-    overhead = statistics.median(results["trellis-flow"]["overhead"])
-    print(f"orchestration overhead (workers idle, from Ray's timeline) {overhead:.3f} s/step")
+    for name in ("trellis-flow", "flow-prefect-defaults"):
+        overhead = statistics.median(results[name]["overhead"])
+        print(f"{name}: orchestration overhead (workers idle, from Ray's timeline) {overhead:.3f} s/step")
+    print(f"lean_server_vs_prefect_defaults {medians['trellis-flow'] / medians['flow-prefect-defaults']:.3f}")
     print(f"flow_vs_trl {medians['trellis-flow'] / medians['trl']:.3f}")
     print(f"flow_vs_engine {medians['trellis-flow'] / medians['trellis']:.3f}")
     print(f"ratio_vs_trl {medians['trellis'] / medians['trl']:.3f}")

@@ -24,7 +24,11 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+
+if os.environ.get("TRELLIS_BENCH_PREFECT_DEFAULTS") != "1":  # 1: Prefect's own defaults, for comparison
+    use_lean_temporary_server()
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 

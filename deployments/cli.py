@@ -234,11 +234,9 @@ def _train_with_flow(cfg, resume: bool) -> None:
     if server is not None:  # `trellis server up` left one: the run shows in its UI
         os.environ["PREFECT_API_URL"] = server.api_url
         typer.echo(f"flow runs: {server.url}/runs")
-    # Without a Prefect server, each run starts a temporary one; its telemetry write races the run's
-    # first writes on the shared SQLite file ("database is locked"). Nothing here needs telemetry.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # A first temporary server creates its database; on 2 busy cores that can outlast Prefect's 20 s.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.prefect_settings import use_lean_temporary_server
+
+    use_lean_temporary_server()  # without a Prefect server, the run starts a temporary one
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from tqdm import tqdm
 
