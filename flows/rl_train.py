@@ -30,7 +30,9 @@ from tasks.run_tasks import (
 )
 
 
-@flow(name="rl_step", flow_run_name="rl_step[step={step}]", persist_result=False)
+# validate_parameters=False: the run's config was validated when it was loaded, and validating it again
+# (every cross-field rule) on each step's flow run is CPU the workers' cores pay for.
+@flow(name="rl_step", flow_run_name="rl_step[step={step}]", persist_result=False, validate_parameters=False)
 def rl_step(config: TrellisConfig, plan: RunPlan, step: int, counters: RunCounters) -> StepOutcome:
     return run_step(TaskPhases(config), plan_step(config, plan, step), counters)
 

@@ -3,6 +3,8 @@ task run (``fit[step=12]``), and ``write_trajectories`` runs beside ``prepare_da
 
 from __future__ import annotations
 
+from prefect.utilities.annotations import quote
+
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters, StepRecord
 from engine.run.step import Batch, Evaluation, Logged, Pending, Prepared
@@ -12,7 +14,8 @@ from tasks import step_tasks as tasks
 
 class TaskPhases:
     def __init__(self, config: TrellisConfig) -> None:
-        self._config = config
+        # Quoted: Prefect would otherwise walk the whole config looking for futures on every task call.
+        self._config = quote(config)
 
     def produce_batch(self, step: int) -> Batch:
         return tasks.produce_batch(self._config, step)
