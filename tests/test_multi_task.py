@@ -95,3 +95,15 @@ def test_a_multi_task_config_says_what_is_wrong(lookup, reverse_prompts, tmp_pat
     too_long = [{**config.tasks[1].model_dump(), "max_new_tokens": 400}]
     with pytest.raises(ConfigError, match=r"tasks\[reverse\].max_new_tokens=400 exceeds"):
         mixed_config(lookup, reverse_prompts, tmp_path, tasks=too_long)
+
+
+def test_the_asynchronous_trainer_mixes_tasks_too(lookup, reverse_prompts, tmp_path):
+    config = mixed_config(lookup, reverse_prompts, tmp_path, trainer="disaggregated", total_train_steps=3,
+                          enable_evaluate=False, checkpoint_interval=-1, replay_buffer={"kind": "async", "max_staleness": 1})
+    with LocalRun(config) as run:
+        run.run()
+    rows = lake_rows(config)
+    assert {row["task_name"] for row in rows} == {"lookup", "reverse"}
+    assert all(json.loads(row["agent"])["loop"] == "tool" for row in rows if row["task_name"] == "lookup")
+    assert all(row["agent"] is None for row in rows if row["task_name"] == "reverse")
+    assert any("response/lookup/groups" in logged_metrics(config)[step] for step in (1, 2, 3))
