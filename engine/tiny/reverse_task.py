@@ -6,8 +6,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from engine.tiny.files import write_rows
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 DATA_SOURCE = "reverse"
@@ -30,10 +29,7 @@ def make_rows(count: int, seed: int) -> list[dict[str, Any]]:
 
 def write_dataset(path: str | Path, count: int, seed: int) -> Path:
     """Write ``count`` prompts as Parquet (the format trellis reads by default)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(make_rows(count, seed)), path)
-    return path
+    return write_rows(path, make_rows(count, seed))
 
 
 def score(sample: dict[str, Any]) -> float:
