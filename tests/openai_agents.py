@@ -103,3 +103,8 @@ def short_replies(task, base_url, api_key):
     assert first.finish_reason == "length", first.finish_reason
     messages += [first.message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
     client.chat.completions.create(model="p", messages=messages)
+
+
+def long_system_prompt(task, base_url, api_key):
+    messages = [{"role": "system", "content": "be brief " * 60}, *task["messages"]]
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=messages)

@@ -40,7 +40,7 @@ def lookup_samples(tokenizer, count):
 
 def run_loop(model_dir, count=8, params=GREEDY, **agent):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    loop = build_agent_loop(AgentConfig(**agent), tokenizer)
+    loop = build_agent_loop(AgentConfig(**agent), tokenizer, max_prompt_tokens=64)
     samples = lookup_samples(tokenizer, count)
     started = time.monotonic()
     try:
@@ -89,6 +89,7 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
         ("talks_past_its_budget", "token_budget", Status.COMPLETED, "session ended: token_budget"),
         ("rewrites_history", "history_rewritten", Status.COMPLETED, None),
         ("sleeps_forever", "timeout", Status.COMPLETED, "ran past agent.session_timeout_s=3"),
+        ("long_system_prompt", "prompt_too_long", Status.FAILED, "over the run's max_prompt_length 64"),
     ],
 )
 def test_a_bad_agent_ends_its_session_with_a_reason_and_the_batch_goes_on(lookup, agent, stop_reason, status, error):

@@ -156,7 +156,8 @@ def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], ma
     sample.agent["turns"].append({**turn, "start": start, "end": len(sample.response_ids)})
 
 
-def build_agent_loop(config: AgentConfig, tokenizer) -> AgentLoop:
+def build_agent_loop(config: AgentConfig, tokenizer, max_prompt_tokens: int | None = None) -> AgentLoop:
+    """``max_prompt_tokens``: the longest prompt the run trains on, for loops whose agents write their own."""
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -165,5 +166,5 @@ def build_agent_loop(config: AgentConfig, tokenizer) -> AgentLoop:
     if config.loop == "openai":
         from engine.rollout.gateway_loop import GatewayLoop  # it builds on this module
 
-        return GatewayLoop(config, tokenizer)
+        return GatewayLoop(config, tokenizer, max_prompt_tokens)
     return ToolLoop(config, lambda text: tokenizer.encode(text, add_special_tokens=False), decode)

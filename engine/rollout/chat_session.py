@@ -28,8 +28,9 @@ class SessionEnded(Exception):
 
 
 class ChatSession:
-    def __init__(self, sample: RolloutSample, tokenizer: Any, budget: int) -> None:
+    def __init__(self, sample: RolloutSample, tokenizer: Any, budget: int, max_prompt_tokens: int | None = None) -> None:
         self.sample, self.budget, self.token = sample, budget, "sess-" + secrets.token_urlsafe(18)
+        self.max_prompt_tokens = max_prompt_tokens  # the run's max_prompt_length: what its trainer packs
         self._tokenizer = tokenizer
         self._messages: list[dict[str, Any]] | None = None  # the last call's messages + the reply given
         self._tools: Any = None
@@ -46,10 +47,13 @@ class ChatSession:
             return self._prompt_for(messages, tools)
 
     def _prompt_for(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
-        if self.closed or self.sample.agent["stop_reason"] in ("token_budget", "timeout", "aborted"):
+        if self.closed or self.sample.agent["stop_reason"] in ("token_budget", "timeout", "aborted", "prompt_too_long"):
             raise SessionEnded(f"session ended: {self.sample.agent['stop_reason']}")
         if self._messages is None:
             ids = self._render(messages, tools, generation_prompt=True)
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                self.end("prompt_too_long")
+                raise SessionEnded(f"the first prompt has {len(ids)} tokens, over the run's max_prompt_length {self.max_prompt_tokens}")
             self.sample.messages, self.sample.prompt_ids, self._tools = list(messages), ids, tools
         elif self.recording and self._extends(messages, tools):
             self._append_context(messages)

@@ -10,6 +10,7 @@ return its own reward (a number), which then stands for the sample's reward; ``N
 to ``reward.function``.
 
 A session ends when its agent returns (``answer``), raises (``agent_error``, with the error kept),
+starts with a prompt longer than the run's ``max_prompt_length`` (``prompt_too_long``),
 returns something that is not a number (``agent_error``), runs past ``agent.session_timeout_s``
 (``timeout``: its key stops working, its thread is left to end on its own), or when its token budget
 (``rollout.max_new_tokens``, the whole session) is spent (``token_budget``).
@@ -36,9 +37,9 @@ AGENT_ERROR_MAX_CHARS = 2000
 
 
 class GatewayLoop:
-    def __init__(self, config: AgentConfig, tokenizer: Any) -> None:
+    def __init__(self, config: AgentConfig, tokenizer: Any, max_prompt_tokens: int | None = None) -> None:
         assert config.entrypoint is not None  # the config requires it with loop: openai
-        self._config, self._tokenizer = config, tokenizer
+        self._config, self._tokenizer, self._max_prompt_tokens = config, tokenizer, max_prompt_tokens
         self._agent = load_function(config.entrypoint)
         self._gateway: Gateway | None = None
 
@@ -55,7 +56,7 @@ class GatewayLoop:
     def stream(self, samples: list[RolloutSample], backend: RolloutBackend, params: SamplingParams) -> Iterator[RolloutSample]:
         gateway = self.gateway
         finished: queue.Queue = queue.Queue()
-        sessions = [ChatSession(sample, self._tokenizer, budget_of(sample, params)) for sample in samples]
+        sessions = [ChatSession(s, self._tokenizer, budget_of(s, params), self._max_prompt_tokens) for s in samples]
         with gateway.serving(backend, params):
             for session in sessions:
                 gateway.open(session)

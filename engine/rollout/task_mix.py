@@ -41,7 +41,7 @@ def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
         assert config.train_dataset is not None  # the config requires one or the other
         prompts, report = load_prompts(config.train_dataset, tokenizer)
         eval_prompts = load_prompts(config.eval_dataset, tokenizer)[0] if config.eval_dataset is not None else []
-        loop = build_agent_loop(config.agent, tokenizer)
+        loop = build_agent_loop(config.agent, tokenizer, config.max_prompt_length)
         return RolloutInputs(PromptSampler(prompts, seed=config.seed), report, eval_prompts, RewardRunner(config.reward), loop, loop)
     tasks = [_build_task(task, config, tokenizer) for task in config.tasks]
     return RolloutInputs(
@@ -79,7 +79,7 @@ def _build_task(task: TaskConfig, config: TrellisConfig, tokenizer: Any) -> _Tas
         report=report,
         eval_prompts=[_of_task(p, task) for p in eval_prompts],
         rewards=RewardRunner(task.reward or config.reward),
-        loop=build_agent_loop(task.agent or config.agent, tokenizer),
+        loop=build_agent_loop(task.agent or config.agent, tokenizer, config.max_prompt_length),
     )
 
 
