@@ -108,3 +108,8 @@ def short_replies(task, base_url, api_key):
 def long_system_prompt(task, base_url, api_key):
     messages = [{"role": "system", "content": "be brief " * 60}, *task["messages"]]
     openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=messages)
+
+
+def returns_nan(task, base_url, api_key):
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+    return float("nan")

@@ -85,6 +85,7 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
         ("raises_at_once", "agent_error", Status.FAILED, "RuntimeError: the agent broke before calling the model"),
         ("raises_after_a_call", "agent_error", Status.COMPLETED, "KeyError: 'missing_field'"),
         ("returns_garbage", "agent_error", Status.COMPLETED, "the agent returned str 'great job'"),
+        ("returns_nan", "agent_error", Status.COMPLETED, "the agent returned float nan"),
         ("wrong_key", "agent_error", Status.FAILED, "unknown or expired session key"),
         ("talks_past_its_budget", "token_budget", Status.COMPLETED, "session ended: token_budget"),
         ("rewrites_history", "history_rewritten", Status.COMPLETED, None),

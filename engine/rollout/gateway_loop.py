@@ -18,6 +18,7 @@ returns something that is not a number (``agent_error``), runs past ``agent.sess
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -89,8 +90,8 @@ class GatewayLoop:
         reward, error = None, None
         try:
             returned = self._agent(task, base_url=self.gateway.base_url, api_key=session.token)
-            if returned is not None and (isinstance(returned, bool) or not isinstance(returned, Real)):
-                raise TypeError(f"the agent returned {type(returned).__name__} {returned!r}: return a number (its reward) or None")
+            if returned is not None and (isinstance(returned, bool) or not isinstance(returned, Real) or not math.isfinite(returned)):
+                raise TypeError(f"the agent returned {type(returned).__name__} {returned!r}: return a finite number (its reward) or None")
             reward = None if returned is None else float(returned)
         except Exception as failure:
             error = "".join(traceback.format_exception_only(failure)).strip()[:AGENT_ERROR_MAX_CHARS]
