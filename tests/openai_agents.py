@@ -28,10 +28,7 @@ def lookup_agent(task, base_url, api_key):
         if not reply.message.tool_calls:
             return None  # reward.function scores the answer
         for call in reply.message.tool_calls:
-            try:
-                output = lookup(**json.loads(call.function.arguments))
-            except Exception as error:
-                output = f"Error: {error}"
+            output, _ = run_lookup(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return None
 
@@ -46,10 +43,20 @@ def self_scoring_lookup_agent(task, base_url, api_key):
         if not reply.message.tool_calls:
             return float(looked_up and (reply.message.content or "").strip() == task["label"])
         for call in reply.message.tool_calls:
-            arguments = json.loads(call.function.arguments)
-            looked_up = looked_up or arguments.get("key") == task["key"]
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(**arguments)})
+            output, key = run_lookup(call.function.arguments)
+            looked_up = looked_up or key == task["key"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return 0.0
+
+
+def run_lookup(arguments: str) -> tuple[str, object]:
+    """The tool's output for the model's arguments and the key it asked for; a call the model got
+    wrong (a missing or extra argument, arguments that are not an object) shows it the error."""
+    try:
+        parsed = json.loads(arguments)
+        return lookup(**parsed), parsed.get("key")
+    except Exception as error:
+        return f"Error: {error}", None
 
 
 def raises_at_once(task, base_url, api_key):

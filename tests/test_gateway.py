@@ -129,10 +129,10 @@ def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp
     )
     rl_train(config)
 
-    metrics = logged_metrics(config)
-    assert all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 7))
+    metrics, rows = logged_metrics(config), lake_rows(config)
+    failed = [(row["status"], row["error"], row["agent"]) for row in rows if row["status"] == "failed"]
+    assert not failed and all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 7)), failed[:3]
     assert metrics[6]["eval/accuracy"] > metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[6]["eval/accuracy"])
-    rows = lake_rows(config)
     assert len(rows) == 6 * 128
     assert all(json.loads(row["reward_payload"]) == {"from": "agent"} for row in rows)
     assert sum(row["reward"] for row in rows) > 0
