@@ -1,4 +1,5 @@
-"""Training throughput and MFU on packed 8k-token micro-batches of a 0.5B model, against a plain loop.
+"""Training throughput and MFU on packed 8k-token micro-batches of a Qwen2-shaped model (0.5B, 1.5B or
+3B, random init), against a plain loop.
 
 Every variant trains the same batch for a few optimizer steps, fp32 master weights with bf16
 autocast, fused AdamW. The batch is GRPO-shaped (groups of 8 samples sharing a 128-token prompt,
@@ -9,15 +10,18 @@ fill an 8k row:
   in float32;
 - ``trellis_<layout>[+compile|+compile_decoder][+graphs][+fsdp]``: ``TrainingWorker.fit`` itself, with
   that layout, compiled decoder layers (or the whole decoder as one graph), replayed as CUDA graphs,
-  and bf16 from FSDP2's mixed-precision policy instead of autocast.
+  and bf16 from FSDP2's mixed-precision policy instead of autocast;
+- ``<variant>+liger``: the same with Liger's fused RMSNorm, rotary and SwiGLU kernels patched into
+  transformers' Qwen2 classes. The patch is global, so these variants run after all others.
 
 MFU counts the FLOPs the objective needs, whatever a variant spends on padding or recompute:
 6 x body parameters per token, 6 x hidden x vocab per labelled token (the output layer), and
 6 x layers x hidden x sum(len^2) for causal attention, against 989 TFLOP/s (H200 dense bf16).
 
-    python bench/gpu/train_mfu.py OUT_DIR [--steps 4] [--tokens 65536] [--shape grpo|long] [--variants plain,trellis_packed,...] [--profile]
+    python bench/gpu/train_mfu.py OUT_DIR [--model 0.5b|1.5b|3b] [--steps 4] [--tokens 65536] [--shape grpo|long]
+        [--variants plain,trellis_packed,...] [--profile | --profile-variant NAME]
 
-writes OUT_DIR/h200_train_mfu_<shape>.json.
+writes OUT_DIR/h200_train_mfu_<shape>.json (0.5B) or OUT_DIR/h200_train_mfu_<model>_<shape>.json.
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ def trellis_worker(config, sequences, name: str):
     autocast; ``compile_decoder`` compiles the whole decoder as one graph instead of layer by layer;
     ``graphs`` replays the compiled code as CUDA graphs."""
     layout, *options = name.removeprefix("trellis_").split("+")
+    if "liger" in options:
+        use_liger()
     settings = {"layout": layout, "compile": "compile" in options or "compile_decoder" in options, "fsdp": "fsdp" in options,
                 "compile_scope": "decoder" if "compile_decoder" in options else "layers", "cuda_graphs": "graphs" in options}
     worker = TrainingWorker(
@@ -129,6 +135,14 @@ def trellis_worker(config, sequences, name: str):
         worker.fit(PreparedBatch(sequences=sequences), state["step"])
 
     return worker.model, step, {}
+
+
+def use_liger() -> None:
+    """Liger's RMSNorm, rotary and SwiGLU kernels in place of transformers' Qwen2 ones (the output layer
+    stays trellis's chunked log-prob head, which Liger's fused cross-entropy does not replace)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def measure(step, steps: int) -> list[float]:
@@ -166,14 +180,18 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--model", choices=("0.5b", "1.5b", "3b"), default="0.5b")
     parser.add_argument("--profile", action="store_true", help="also write each variant's top kernels")
+    parser.add_argument("--profile-variant", help="write this variant's top kernels only")
     parser.add_argument("--shape", choices=("grpo", "long"), default="grpo", help="see grpo_batch")
     parser.add_argument("--variants", default="plain,trellis_padded,trellis_packed,trellis_packed+fsdp,trellis_packed+compile")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
     tokenizer = build_tokenizer()
-    model_dir = random_qwen2_05b(tokenizer, work / "qwen2-05b-random")
+    model_dir = work / f"qwen2-{args.model.replace('.', '')}-random"
+    if not (model_dir / "config.json").exists():
+        random_qwen2_05b(tokenizer, model_dir, max_positions=PACK, shape=args.model)
     config = load_config(
         None,
         load_from=str(model_dir),
@@ -183,14 +201,19 @@ def main() -> None:
         loss={"rollout_is": {"level": "none"}},
     )
     sequences = grpo_batch(args.tokens, 151936, shape=args.shape)
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": args.shape, "sequences": len(sequences),
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model, "shape": args.shape, "sequences": len(sequences),
                "tokens_per_step": sum(s.num_tokens for s in sequences), "pack_max_length": PACK, "variants": {}}
-    for name in args.variants.split(","):
+    size = "" if args.model == "0.5b" else f"{args.model.replace('.', '')}_"
+    result_file = args.out / f"h200_train_mfu_{size}{args.shape}.json"
+    variants = sorted(args.variants.split(","), key=lambda name: "+liger" in name)  # the patch is global: last
+    for name in variants:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
             if name.startswith("plain"):
-                dtype = torch.bfloat16 if name == "plain_bf16" else torch.float32
+                if "+liger" in name:
+                    use_liger()
+                dtype = torch.bfloat16 if name.startswith("plain_bf16") else torch.float32
                 model, step, extra = plain_loop(model_dir, sequences, tokenizer.pad_token_id, dtype)
             else:
                 model, step, extra = trellis_worker(config, sequences, name)
@@ -212,7 +235,8 @@ def main() -> None:
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
         print(name, json.dumps(results["variants"][name]), flush=True)
-        if args.profile:
+        result_file.write_text(json.dumps(results, indent=2))  # what finished survives a run cut short
+        if args.profile or name == args.profile_variant:
             profile(step, args.out / f"profile_{name.replace('+', '-')}.txt")
         del model, step
         gc.collect()
@@ -220,7 +244,7 @@ def main() -> None:
     for name, figures in results["variants"].items():
         if plain and "tokens_per_s" in figures:
             figures["speed_vs_plain"] = figures["tokens_per_s"] / plain
-    (args.out / f"h200_train_mfu_{args.shape}.json").write_text(json.dumps(results, indent=2))
+    result_file.write_text(json.dumps(results, indent=2))
     print(json.dumps({n: {k: v for k, v in f.items() if k in ("mfu", "tokens_per_s", "speed_vs_plain", "error")} for n, f in results["variants"].items()}, indent=1))
 
 
