@@ -13,6 +13,7 @@ from typing import Sequence
 import ray
 import torch
 
+from engine.cluster.actor_gpus import gpus_of
 from engine.config import TrellisConfig
 from engine.weights.buckets import ROLLOUT_GPU_DTYPE
 
@@ -29,8 +30,7 @@ def push_weights(config: TrellisConfig, trainers, rollouts, policy_version: int)
     ``rollouts`` are actor handles, or lists of them (all trainer ranks, all rollout workers)."""
     trainers, rollouts = _as_list(trainers), _as_list(rollouts)
     timeout = config.cluster.ray_get_timeout_s
-    trainer_gpus = ray.get([t.gpu_identity.remote() for t in trainers], timeout=timeout)
-    rollout_gpus = ray.get([r.gpu_identity.remote() for r in rollouts], timeout=timeout)
+    trainer_gpus, rollout_gpus = gpus_of(trainers, timeout), gpus_of(rollouts, timeout)
     transport = weight_transport(config.cluster.weight_sync, trainer_gpus, rollout_gpus)
     if transport == "object_store":
         exports = [t.export_weights.remote() for t in trainers]  # rank 0's holds the weights

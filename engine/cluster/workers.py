@@ -30,6 +30,7 @@ from engine.cluster.actors import (
     RolloutActor,
     TrainerActor,
 )
+from engine.cluster.actor_gpus import gpus_of, on_gpus
 from engine.cluster.environment import check_worker_environment, worker_runtime_env
 from engine.cluster.placement import (
     gpu_requests,
@@ -144,7 +145,7 @@ class RunWorkers:
         served = self.wait([r.policy_version.remote() for r in rollouts]) if rollouts else [0]
         if trainers and rollouts and applied > 0 and min(served) == 0:
             self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
-        rollout_gpu = self.wait(rollouts[0].gpu_identity.remote()) if rollouts else None
+        rollout_gpu = gpus_of(rollouts[:1], self.config.cluster.ray_get_timeout_s)[0] if rollouts else None
         live = [controller, *trainers, *rollouts]
         self.wait([actor.use_credentials.remote(self.launch.credentials) for actor in live])
         return WorkerFacts(
@@ -247,17 +248,19 @@ class RunWorkers:
 
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first.
-        Both calls return at once on CPU, and when the side already holds the accelerator."""
+        Only actors on a GPU are called (on CPU there is nothing to move); a side that already holds
+        the accelerator returns at once."""
         if role not in self.roles or self.config.disaggregated:  # each side has devices of its own
             return
         giver: Role = "trainer" if role == "rollout" else "rollout"
+        timeout = self.config.cluster.ray_get_timeout_s
         if giver in self.roles:  # debug modes run one side only
             try:
-                self.wait([actor.offload.remote() for actor in self.actors(giver)])
+                self.wait([actor.offload.remote() for actor in on_gpus(self.actors(giver), timeout)])
             except (ValueError, RayActorError):
                 if giver != "rollout":
                     raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
-        self.wait([actor.onload.remote() for actor in self.actors(role)])
+        self.wait([actor.onload.remote() for actor in on_gpus(self.actors(role), timeout)])
 
     def sync_weights(self, policy_version: int) -> str:
         """The trainer's weights into every rollout worker; returns the transport used."""
