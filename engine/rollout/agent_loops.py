@@ -64,7 +64,7 @@ class ToolLoop:
         """All live sessions take their next turn in one backend call; then all their tool calls run
         together, so the hung ones cost the turn about one timeout."""
         for sample in samples:
-            _start(sample, backend.policy_version)
+            start_session(sample, "tool", backend.policy_version)
         active, turn = list(samples), 0
         while active:
             lefts = [budget_of(s, params) - len(s.response_ids) for s in active]
@@ -138,12 +138,15 @@ class ToolLoop:
         self._tools.close()
 
 
-def _start(sample: RolloutSample, version: int) -> None:
-    """A fresh session (one interrupted earlier starts over: its tools may have had effects)."""
+def start_session(sample: RolloutSample, loop: str, version: int | None = None, **record: list) -> None:
+    """A fresh session for ``sample`` (one interrupted earlier starts over: its tools may have had
+    effects): no response, no reward, and an empty ``agent`` record with the loop's own ``record`` lists."""
     sample.response_ids, sample.logprobs, sample.response_mask, sample.response_versions = [], [], [], []
-    sample.policy_version, sample.reward, sample.reward_payload = version, None, {}
+    if version is not None:
+        sample.policy_version = version
+    sample.reward, sample.reward_payload = None, {}
     sample.status, sample.finish_reason, sample.error = Status.COMPLETED, "", None
-    sample.agent = {"loop": "tool", "turns": [], "tool_calls": [], "stop_reason": None, "final_response": ""}
+    sample.agent = {"loop": loop, "turns": [], "tool_calls": [], **record, "stop_reason": None, "final_response": ""}
 
 
 def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], mask: int, version: int, turn: dict) -> None:

@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_loops import append_turn
+from engine.rollout.agent_loops import append_turn, start_session
 
 
 class SessionEnded(Exception):
@@ -37,9 +37,7 @@ class ChatSession:
         self.recording = True  # False once the trained sequence has ended; calls are still served
         self.closed = False  # the sample is handed on: nothing touches it any more
         self._lock = threading.Lock()  # calls arrive on the server's thread, the end on the loop's
-        sample.response_ids, sample.logprobs, sample.response_mask, sample.response_versions = [], [], [], []
-        sample.reward, sample.reward_payload, sample.status, sample.finish_reason, sample.error = None, {}, Status.COMPLETED, "", None
-        sample.agent = {"loop": "openai", "turns": [], "tool_calls": [], "calls": [], "stop_reason": None, "final_response": ""}
+        start_session(sample, "openai", calls=[])
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
         """The ids to generate from and how many new tokens the session's budget still allows."""
