@@ -189,7 +189,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
     tokenizer = build_tokenizer()
-    model_dir = work / f"qwen2-{args.model.replace('.', '')}-random"
+    tag = args.model.replace(".", "")  # 05b, 15b, 3b
+    model_dir = work / f"qwen2-{tag}-random"
     if not (model_dir / "config.json").exists():
         random_qwen2_05b(tokenizer, model_dir, max_positions=PACK, shape=args.model)
     config = load_config(
@@ -203,8 +204,7 @@ def main() -> None:
     sequences = grpo_batch(args.tokens, 151936, shape=args.shape)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model, "shape": args.shape, "sequences": len(sequences),
                "tokens_per_step": sum(s.num_tokens for s in sequences), "pack_max_length": PACK, "variants": {}}
-    size = "" if args.model == "0.5b" else f"{args.model.replace('.', '')}_"
-    result_file = args.out / f"h200_train_mfu_{size}{args.shape}.json"
+    result_file = args.out / f"h200_train_mfu_{'' if args.model == '0.5b' else tag + '_'}{args.shape}.json"
     variants = sorted(args.variants.split(","), key=lambda name: "+liger" in name)  # the patch is global: last
     for name in variants:
         torch.cuda.empty_cache()

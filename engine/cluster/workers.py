@@ -145,7 +145,7 @@ class RunWorkers:
         served = self.wait([r.policy_version.remote() for r in rollouts]) if rollouts else [0]
         if trainers and rollouts and applied > 0 and min(served) == 0:
             self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
-        rollout_gpu = gpus_of(rollouts[:1], self.config.cluster.ray_get_timeout_s)[0] if rollouts else None
+        rollout_gpu = gpus_of(rollouts[:1], self._timeout_s)[0] if rollouts else None
         live = [controller, *trainers, *rollouts]
         self.wait([actor.use_credentials.remote(self.launch.credentials) for actor in live])
         return WorkerFacts(
@@ -253,14 +253,13 @@ class RunWorkers:
         if role not in self.roles or self.config.disaggregated:  # each side has devices of its own
             return
         giver: Role = "trainer" if role == "rollout" else "rollout"
-        timeout = self.config.cluster.ray_get_timeout_s
         if giver in self.roles:  # debug modes run one side only
             try:
-                self.wait([actor.offload.remote() for actor in on_gpus(self.actors(giver), timeout)])
+                self.wait([actor.offload.remote() for actor in on_gpus(self.actors(giver), self._timeout_s)])
             except (ValueError, RayActorError):
                 if giver != "rollout":
                     raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
-        self.wait([actor.onload.remote() for actor in on_gpus(self.actors(role), timeout)])
+        self.wait([actor.onload.remote() for actor in on_gpus(self.actors(role), self._timeout_s)])
 
     def sync_weights(self, policy_version: int) -> str:
         """The trainer's weights into every rollout worker; returns the transport used."""
