@@ -172,7 +172,7 @@ def test_a_fresh_start_refuses_to_overwrite_checkpoints_and_incomplete_ones_are_
 def test_debug_rollout_then_debug_train_reproduces_the_first_step(tiny_model, reverse_data, tmp_path):
     original = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="original", total_train_steps=1,
                            checkpoint_interval=-1, enable_initial_evaluate=False)
-    first = run(original)
+    run(original)
     lake = str(tmp_path / "rollouts")
     rollout_only = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="rollout_only", total_train_steps=2,
                                checkpoint_interval=-1, debug_rollout=True, debug_rollout_dir=lake)
