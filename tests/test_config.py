@@ -56,6 +56,8 @@ def test_a_minimal_config_is_valid_and_frozen():
         ({"cluster": {"weight_sync": "nccl"}}, "cluster.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'"),
         ({"train_worker": {"layout": "unpadded"}}, "train_worker.layout: Input should be 'auto', 'packed', 'padded' or 'shared_prefix'"),
         ({"train_worker": {"logprob_chunk_tokens": 0}}, "train_worker.logprob_chunk_tokens: Input should be greater than 0"),
+        ({"train_worker": {"attention_kernel": "fa3"}}, "train_worker.attention_kernel: Input should be 'torch' or 'fa4'"),
+        ({"train_worker": {"attention_kernel": "fa4", "layout": "padded"}}, "train_worker.attention_kernel: fa4 runs packed rows; layout is padded"),
         (
             {"train_worker": {"cuda_graphs": True, "layout": "padded", "fsdp": True}},
             "train_worker.cuda_graphs: compile is off (the graphs are compiled code); layout is padded (rows of one "

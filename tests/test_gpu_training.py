@@ -7,19 +7,28 @@ import torch.nn.functional as F
 from engine.config.loading import load_config
 from engine.data.prepare import IGNORE, PreparedBatch, TrainSequence
 from engine.train.worker import TrainingWorker
-from engine.train.varlen_attention import varlen_attention
+from engine.train.varlen_attention import fa4_unavailable, varlen_attention, varlen_attention_fa4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_flash_varlen_attention_equals_causal_attention_per_sequence():
-    """Three sequences in one row, GQA 14:2 heads as in Qwen2-0.5B, bf16; each attends to itself only."""
+def _needs(options: dict) -> None:
+    if options.get("attention_kernel") == "fa4" and (reason := fa4_unavailable(torch.device("cuda"))):
+        pytest.skip(f"FlashAttention-4: {reason}")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fa4"])
+def test_flash_varlen_attention_equals_causal_attention_per_sequence(kernel):
+    """Three sequences in one row, GQA 14:2 heads as in Qwen2-0.5B, bf16; each attends to itself only
+    (PyTorch's flash kernel, or FlashAttention-4's)."""
+    _needs({"attention_kernel": kernel})
+    attention = varlen_attention_fa4 if kernel == "fa4" else varlen_attention
     torch.manual_seed(0)
     lengths = [5, 130, 61]
     query = torch.randn(1, 14, sum(lengths), 64, device="cuda", dtype=torch.bfloat16)
     key, value = (torch.randn(1, 2, sum(lengths), 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, 5, 135, 196], device="cuda", dtype=torch.int32)
-    out, _ = varlen_attention(None, query, key, value, None, scaling=0.125, cu_seq_lens_q=cu, max_length_q=130)
+    out, _ = attention(None, query, key, value, None, scaling=0.125, cu_seq_lens_q=cu, max_length_q=130)
     start = 0
     for length in lengths:
         end = start + length
@@ -47,12 +56,15 @@ def _sequences(vocab: int) -> list[TrainSequence]:
         {"layout": "packed", "fsdp": True},
         {"layout": "packed", "compile": True, "compile_scope": "decoder"},
         {"layout": "packed", "compile": True, "cuda_graphs": True},
+        {"layout": "packed", "compile": True, "attention_kernel": "fa4", "logprob_keep_logits": False},
     ],
 )
 def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data, options):
     """Same batch, same start, three steps of two micro-batches each (CUDA graphs are recorded by the
     second step and replayed by the second micro-batch and the third step): the packed GPU layout (with FSDP2's bf16 policy, the whole decoder compiled as one graph,
-    or compiled layers replayed as CUDA graphs) reports what padded rows do at every step."""
+    or compiled layers replayed as CUDA graphs; or FlashAttention-4 between compiled layers, the head
+    recomputing its logits) reports what padded rows do at every step."""
+    _needs(options)
     metrics = {}
     for name, worker_options in (("padded", {"layout": "padded"}), ("tested", options)):
         config = load_config(

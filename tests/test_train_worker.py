@@ -125,11 +125,14 @@ def _full_logits_reference(model, sequences, pad_id):
     return logprobs[batch.loss_mask_NL].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded", "shared_prefix", "packed+checkpointing", "packed+fixed_row"])
+@pytest.mark.parametrize(
+    "layout", ["packed", "padded", "shared_prefix", "packed+checkpointing", "packed+fixed_row", "packed+kept_logits"]
+)
 def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, reverse_data, rollout_batch, layout):
     """Packing, prompt sharing, the chunked head (7 positions per chunk here, so every micro-batch
-    spans many chunks), activation checkpointing and a packed row filled to a fixed shape (a pad
-    sequence and empty ones, as CUDA graphs need) change the compute, not the math."""
+    spans many chunks; its logits recomputed in the backward pass or kept), activation checkpointing
+    and a packed row filled to a fixed shape (a pad sequence and empty ones, as CUDA graphs need)
+    change the compute, not the math."""
     groups, pad_id = rollout_batch
     config = _config(tiny_model, reverse_data)
     sequences = prepare_train_data(groups, config.advantage, shuffle=True, seed=1).sequences
@@ -148,7 +151,7 @@ def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, r
     else:
         batch = LAYOUTS[name](sequences, indices, pad_id)
     model.zero_grad()
-    logprobs, entropy = batch_logprobs(model, batch, temperature=1.0, chunk_tokens=7)
+    logprobs, entropy = batch_logprobs(model, batch, temperature=1.0, chunk_tokens=7, keep_logits=extra == "kept_logits")
     (logprobs * batch.advantages_NL).sum().backward()
     picked = logprobs[batch.loss_mask_NL].detach()  # response tokens, row by row, in every layout
     assert picked.shape == expected_lp.shape and torch.allclose(picked, expected_lp, atol=1e-5)
@@ -180,6 +183,14 @@ def test_a_fixed_shape_row_fills_with_one_pad_sequence_and_empty_ones(rollout_ba
     assert batch.label_positions_K.tolist() == to_packed(sequences, [0, 1, 2], pad_id).label_positions_K.tolist()
     with pytest.raises(ValueError, match=f"{sum(lengths)} tokens do not fit a row of 20"):
         to_packed(sequences, [0, 1, 2], pad_id, row_length=20)
+
+
+def test_flash_attention_4_where_it_cannot_run_is_refused_before_training(tiny_model, reverse_data):
+    """Asked for FA4 on this CPU-only machine (packed rows, which would otherwise run here), the worker
+    says why it cannot run and what to set instead, rather than silently using another kernel."""
+    config = _config(tiny_model, reverse_data, train_worker={"attention_kernel": "fa4", "layout": "packed"})
+    with pytest.raises(ValueError, match="attention_kernel: fa4 cannot run here: it runs on CUDA GPUs and the trainer runs on cpu"):
+        TrainingWorker(config, total_train_steps=4, pad_token_id=0)
 
 
 def test_a_model_that_rescales_its_logits_is_refused(tiny_model):

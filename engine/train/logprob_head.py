@@ -1,9 +1,10 @@
 """Token logprobs and entropies from the last hidden states, a chunk of tokens at a time.
 
 The logits of a packed 8k-token micro-batch over a 152k vocabulary take 5 GB in float32. Here only
-the positions that carry a label go through the output layer, ``chunk_tokens`` at a time, and a
-chunk's logits are recomputed in the backward pass instead of kept, so the head never holds more
-than one chunk of logits whatever the micro-batch size. The recompute costs one more head matmul.
+the positions that carry a label go through the output layer, ``chunk_tokens`` at a time, and by
+default a chunk's logits are recomputed in the backward pass instead of kept, so the head never
+holds more than one chunk of logits whatever the micro-batch size. The recompute costs one more
+head matmul; ``keep_logits`` keeps each chunk's logits in the compute dtype instead.
 Micro-batch layouts hand over precomputed label indices, so nothing here waits for the GPU.
 """
 
@@ -20,17 +21,22 @@ class Policy(torch.nn.Module):
     weights, reduce the gradients) wrap the whole computation, chunked head included.
     """
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, temperature: float, chunk_tokens: int, keep_logits: bool = False) -> None:
         super().__init__()
         self.model = model
         self._temperature = temperature
         self._chunk_tokens = chunk_tokens
+        self._keep_logits = keep_logits
 
     def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(self.model, batch, temperature=self._temperature, chunk_tokens=self._chunk_tokens)
+        return batch_logprobs(
+            self.model, batch, temperature=self._temperature, chunk_tokens=self._chunk_tokens, keep_logits=self._keep_logits
+        )
 
 
-def batch_logprobs(model: torch.nn.Module, batch, *, temperature: float, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_logprobs(
+    model: torch.nn.Module, batch, *, temperature: float, chunk_tokens: int, keep_logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (differentiable when grad is on) and entropies of a micro-batch's labels, as [N, L] float32 rows.
 
     ``batch`` is any layout of ``engine.train.packing``: it has ``labels_NL``, ``label_index_K`` and
@@ -43,6 +49,7 @@ def batch_logprobs(model: torch.nn.Module, batch, *, temperature: float, chunk_t
         batch.labels_NL.flatten().index_select(0, index_K),
         temperature=temperature,
         chunk_tokens=chunk_tokens,
+        keep_logits=keep_logits,
     )
     width = batch.labels_NL.size(1)
     rows_cols = (index_K // width, index_K % width)
@@ -57,12 +64,16 @@ def label_logprobs(
     *,
     temperature: float,
     chunk_tokens: int,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(label) of K labelled positions (float32, differentiable) and the entropy there (no grad)."""
+    """log p(label) of K labelled positions (float32, differentiable) and the entropy there (no grad).
+    ``keep_logits``: hold each chunk's logits for the backward pass instead of recomputing them."""
     logprobs, entropies = [], []
     for start in range(0, hidden_KH.size(0), chunk_tokens):
         end = start + chunk_tokens
-        logprob, entropy = _ChunkLogprobs.apply(hidden_KH[start:end], head.weight, head.bias, labels_K[start:end], temperature)
+        logprob, entropy = _ChunkLogprobs.apply(
+            hidden_KH[start:end], head.weight, head.bias, labels_K[start:end], temperature, keep_logits
+        )
         logprobs.append(logprob)
         entropies.append(entropy)
     if not logprobs:
@@ -115,16 +126,17 @@ _softmax_grads = _OnCudaCompiled(_chunk_softmax_grads)
 
 
 class _ChunkLogprobs(torch.autograd.Function):
-    """One chunk through the output layer. Only the log-normalizer is kept for the backward pass,
-    which recomputes the logits and forms d logprob / d logits = onehot(label) - softmax itself
-    (the one-hot part as gathered rows of the weight and scattered rows of the hidden states)."""
+    """One chunk through the output layer. The log-normalizer is kept for the backward pass (and
+    the logits with ``keep_logits``; else it recomputes them), which forms d logprob / d logits =
+    onehot(label) - softmax itself (the one-hot part as gathered rows of the weight and scattered
+    rows of the hidden states)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, bias, labels, temperature: float):
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, keep_logits: bool = False):
         logits = F.linear(hidden, weight, bias)  # the compute dtype: bf16 on GPU, float32 on CPU
         logprob, entropy, log_normalizer = _statistics(logits, labels, temperature)
-        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer)
+        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, logits if keep_logits else None)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return logprob, entropy
@@ -132,8 +144,9 @@ class _ChunkLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_logprob, _grad_entropy):
-        hidden, weight, bias, labels, log_normalizer = ctx.saved_tensors
-        logits = F.linear(hidden, weight, bias)
+        hidden, weight, bias, labels, log_normalizer, logits = ctx.saved_tensors
+        if logits is None:
+            logits = F.linear(hidden, weight, bias)
         grad_logprob = grad_logprob.float()
         grad_logits = _softmax_grads(logits, log_normalizer, grad_logprob, ctx.temperature)
         label_scale = (grad_logprob / ctx.temperature).unsqueeze(-1)  # the one-hot part, per label
@@ -147,7 +160,7 @@ class _ChunkLogprobs(torch.autograd.Function):
             grad_weight.index_add_(0, labels, (hidden.float() * label_scale).to(weight.dtype))
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = grad_logits.float().sum(0).index_add_(0, labels, label_scale.squeeze(-1)).to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -4,11 +4,16 @@ The packed layout puts the sequences of a micro-batch end to end in a single row
 restarting at every sequence and ``cu_seq_lens`` marking the boundaries. Registered with
 transformers as ``trellis_varlen``, so no [T, T] mask is ever built and no pad token is computed.
 
-On CUDA with bf16/fp16 inputs it runs PyTorch's flash-attention varlen kernel (forward and backward);
-elsewhere it runs causal SDPA on each sequence in turn, which gives the same result.
+On CUDA with bf16/fp16 inputs it runs PyTorch's flash-attention varlen kernel (FA2; forward and
+backward), or with ``kernel="fa4"`` FlashAttention-4's CuTe kernels (the ``flash-attn-4`` package;
+Hopper and Blackwell), 2x FA2's speed on 8k-token sequences on an H200
+(bench/gpu/attention_kernels.py); elsewhere it runs causal SDPA on each sequence in turn, which
+gives the same result.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,7 @@ from engine.compat import FLASH_VARLEN_PARAMS as _FLASH_PARAMS
 from engine.compat import flash_varlen_attention as _flash_varlen
 
 NAME = "trellis_varlen"
+NAME_FA4 = "trellis_varlen_fa4"
 
 
 def varlen_attention(
@@ -31,6 +37,24 @@ def varlen_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention)."""
+    return _packed_attention(_flash, query, key, value, scaling, kwargs)
+
+
+def varlen_attention_fa4(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``varlen_attention`` with FlashAttention-4's kernels on CUDA."""
+    return _packed_attention(_fa4, query, key, value, scaling, kwargs)
+
+
+def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None or query.size(0) != 1:
         raise ValueError(
@@ -40,7 +64,7 @@ def varlen_attention(
         dtype = _half_dtype(query)
         if dtype is not None:
             q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
-            return _flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
+            return flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
     return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling), None
 
 
@@ -73,6 +97,30 @@ def _flash(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling) -> torch.Tenso
     return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, max_length, max_length, **options)
 
 
+@torch.compiler.disable  # CuTe kernels cannot be traced; compiled decoder layers run them between two graphs
+def _fa4(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = cu_seq_lens.to(device=q_THD.device, dtype=torch.int32)
+    out, _ = flash_attn_varlen_func(
+        q_THD, k_THD, v_THD, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_length, max_seqlen_k=max_length,
+        softmax_scale=scaling, causal=True,
+    )
+    return out
+
+
+def fa4_unavailable(device: torch.device) -> str | None:
+    """Why FlashAttention-4 cannot run on ``device``, or None when it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA GPUs and the trainer runs on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10, 11):
+        return f"it runs on Hopper and Blackwell GPUs (compute capability 9.x-11.x), not {major}.{minor}"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return "the flash-attn-4 package is not installed (pip install 'trellis[fa4]')"
+    return None
+
+
 def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
     gqa = query.size(1) != key.size(1)
     parts = [
@@ -85,7 +133,9 @@ def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
-def use_varlen_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` (and its sub-models) to packed-row attention."""
-    AttentionInterface.register(NAME, varlen_attention)
-    model.set_attn_implementation(NAME)
+def use_varlen_attention(model: torch.nn.Module, kernel: str = "torch") -> None:
+    """Switch ``model`` (and its sub-models) to packed-row attention, run by PyTorch's flash kernel
+    (``torch``) or FlashAttention-4 (``fa4``; check ``fa4_unavailable`` first)."""
+    name, function = (NAME_FA4, varlen_attention_fa4) if kernel == "fa4" else (NAME, varlen_attention)
+    AttentionInterface.register(name, function)
+    model.set_attn_implementation(name)

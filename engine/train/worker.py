@@ -49,7 +49,7 @@ from engine.train.tally import (
     mini_batch_metrics,
     split_evenly,
 )
-from engine.train.varlen_attention import use_varlen_attention
+from engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,10 @@ class TrainingWorker:
         self.model = AutoModelForCausalLM.from_pretrained(config.load_from, dtype=torch.float32).to(self._device)
         output_head(self.model)  # refuses models whose logits are not head(hidden state)
         self._layout = choose_layout(worker, self._device)
+        if worker.attention_kernel == "fa4" and (reason := fa4_unavailable(self._device)) is not None:
+            raise ValueError(f"train_worker.attention_kernel: fa4 cannot run here: {reason}. Use attention_kernel: torch.")
         if self._layout == "packed":
-            use_varlen_attention(self.model)
+            use_varlen_attention(self.model, worker.attention_kernel)
         if worker.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self._cuda_graphs = worker.cuda_graphs and self._device.type == "cuda"
@@ -186,7 +188,10 @@ class TrainingWorker:
         return [lay_out(sequences, indices, self._pad_id).to(self._device) for indices in packs]
 
     def _policy(self, model: torch.nn.Module) -> Policy:
-        return Policy(model, temperature=self._temperature, chunk_tokens=self._config.train_worker.logprob_chunk_tokens)
+        worker = self._config.train_worker
+        return Policy(
+            model, temperature=self._temperature, chunk_tokens=worker.logprob_chunk_tokens, keep_logits=worker.logprob_keep_logits
+        )
 
     def _token_logprobs(self, policy: Policy, batch: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cuda_graphs:
