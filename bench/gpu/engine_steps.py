@@ -4,6 +4,7 @@ Weights are random, so rewards are ~0: this measures rollout and training token 
 same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
 
     python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256] [--backend vllm]
+        [--resident-trainer] [--compile]
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,
-        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer},
+        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer, "compile": args.compile},
         work_dir=str(work / "runs"),
         exp_tracker="jsonl",
     )
@@ -81,13 +82,14 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
+    parser.add_argument("--compile", action="store_true", help="train_worker.compile=true")
 
 
 def step_argv(args: argparse.Namespace) -> list[str]:
     """``add_step_arguments``' values back as command-line words, to run this script with them."""
     argv = [str(args.out), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
             "--new-tokens", str(args.new_tokens), "--backend", args.backend]
-    return argv + (["--resident-trainer"] if args.resident_trainer else [])
+    return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
 
 
 def result_path(args: argparse.Namespace) -> Path:

@@ -15,7 +15,7 @@ Orchestration overhead = the part of each step in which no worker ran a method (
 timeline): the GPU workers waited on Prefect and the driver. Also reported: 1 - in-process step /
 flow step, and a weight sync between the live actors timed on its own.
 
-    python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer]
+    python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--compile]
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "backend": args.backend,
         "resident_trainer": args.resident_trainer,
+        "compile": args.compile,
         "samples_per_step": args.prompts * args.group,
         "in_process_step_s": local["step_s"],
         "flow_step_s": default["step_s"],

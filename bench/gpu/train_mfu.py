@@ -13,6 +13,10 @@ fill an 8k row:
   and bf16 from FSDP2's mixed-precision policy instead of autocast;
 - ``<variant>+liger``: the same with Liger's fused RMSNorm, rotary and SwiGLU kernels patched into
   transformers' Qwen2 classes. The patch is global, so these variants run after all others.
+- ``+keep_logits``: the chunked head keeps its logits for the backward pass instead of recomputing
+  them (``train_worker.logprob_keep_logits``); ``+pack16k``: 16k-token micro-batches;
+- ``+fa4``: FlashAttention-4's CuTe kernels in place of PyTorch's FA2 for the packed rows
+  (``train_worker.attention_kernel: fa4``).
 
 MFU counts the FLOPs the objective needs, whatever a variant spends on padding or recompute:
 6 x body parameters per token, 6 x hidden x vocab per labelled token (the output layer), and
@@ -34,6 +38,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -122,7 +127,9 @@ def trellis_worker(config, sequences, name: str):
     if "liger" in options:
         use_liger()
     settings = {"layout": layout, "compile": "compile" in options or "compile_decoder" in options, "fsdp": "fsdp" in options,
-                "compile_scope": "decoder" if "compile_decoder" in options else "layers", "cuda_graphs": "graphs" in options}
+                "compile_scope": "decoder" if "compile_decoder" in options else "layers", "cuda_graphs": "graphs" in options,
+                "logprob_keep_logits": "keep_logits" in options, "pack_max_length": 2 * PACK if "pack16k" in options else PACK,
+                "attention_kernel": "fa4" if "fa4" in options else "torch"}
     worker = TrainingWorker(
         config.model_copy(update={"train_worker": config.train_worker.model_copy(update=settings)}),
         total_train_steps=100,
@@ -132,8 +139,10 @@ def trellis_worker(config, sequences, name: str):
 
     def step():
         state["step"] += 1
-        worker.fit(PreparedBatch(sequences=sequences), state["step"])
+        metrics = worker.fit(PreparedBatch(sequences=sequences), state["step"]).metrics
+        step.peak_gib = max(step.peak_gib, metrics["memory/train_peak_gib"])  # fit resets PyTorch's peak counter
 
+    step.peak_gib = 0.0
     return worker.model, step, {}
 
 
@@ -220,11 +229,12 @@ def main() -> None:
             warmup = measure(step, 3 if "graphs" in name else 2 if "compile" in name else 1)
             times = measure(step, args.steps)
         except Exception as error:  # a variant that fails is reported, the others still run
-            results["variants"][name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            results["variants"][name] = {"error": f"{type(error).__name__}: {error}"[:2000], "where": traceback.format_exc()[-3000:]}
             print(name, results["variants"][name], flush=True)
             continue
         seconds = statistics.median(times)
         flops = objective_flops(model, sequences)
+        peak_gib = getattr(step, "peak_gib", None) or torch.cuda.max_memory_allocated() / 2**30
         results["variants"][name] = {
             **extra,
             "warmup_s": warmup,
@@ -232,7 +242,7 @@ def main() -> None:
             "tokens_per_s": results["tokens_per_step"] / seconds,
             "tflops": flops / seconds / 1e12,
             "mfu": flops / seconds / PEAK_FLOPS,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_memory_gib": peak_gib,
         }
         print(name, json.dumps(results["variants"][name]), flush=True)
         result_file.write_text(json.dumps(results, indent=2))  # what finished survives a run cut short

@@ -6,15 +6,16 @@ bf16 autocast, no KL term, vLLM for generation, the trainer resident (no sleep m
 
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,
   ``vllm_gpu_memory_utilization=0.3``, ``vllm_enable_sleep_mode=False``, run in a child process;
-- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer``: the in-process engine step, then the
-  Prefect flow on a fresh local Ray cluster (trainer and rollout actors sharing the GPU).
+- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer [--compile]``: the in-process engine step,
+  then the Prefect flow on a fresh local Ray cluster (trainer and rollout actors sharing the GPU);
+  ``--trellis-compile`` turns on ``train_worker.compile`` (TRL keeps its defaults).
 
 Contestants run one after the other (``--order``), each in its own process, so each starts on a free
 GPU. For each: the median step wall time after warm-up, ``e2e_effective_tgs`` = tokens trained (prompt
 + response) over the measured steps / their wall time, and the peak GPU memory the device reported
 (``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for both).
 
-    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--order trl,trellis]
+    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--order trl,trellis] [--trellis-compile]
 
 writes OUT_DIR/h200_trl_peer.json.
 """
@@ -81,7 +82,7 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
 def trellis_contestant(args: argparse.Namespace, round_: int) -> dict:
     out = args.out / f"trellis_{round_}"
     command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--backend", "vllm", "--resident-trainer",
-               "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1"]
+               "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1"] + (["--compile"] if args.trellis_compile else [])
     peak_gib = run_child(command, args.out / f"trellis_{round_}.log", dict(os.environ))
     result = json.loads((out / "flow_steps_vllm.json").read_text())
     flow = result["modes"]["overlap"]
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=6, help=f"optimizer steps per contestant, the first {WARMUP_STEPS} not measured")
     parser.add_argument("--order", default="trl,trellis")
+    parser.add_argument("--trellis-compile", action="store_true", help="train_worker.compile=true for trellis")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +192,8 @@ def main() -> None:
         except Exception as error:  # the other contestant still runs; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         print(name, json.dumps(runs[name][-1]), flush=True)
-    summary = {"samples_per_step": 256, "max_new_tokens": 256, "warmup_steps": WARMUP_STEPS, "runs": runs}
+    summary = {"samples_per_step": 256, "max_new_tokens": 256, "warmup_steps": WARMUP_STEPS, "trellis_compile": args.trellis_compile,
+               "runs": runs}
     ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
     if ok["trl"] and ok["trellis"]:
         trl_step = statistics.median(r["step_s"] for r in ok["trl"])
