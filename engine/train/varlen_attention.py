@@ -26,34 +26,6 @@ NAME = "trellis_varlen"
 NAME_FA4 = "trellis_varlen_fa4"
 
 
-def varlen_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention)."""
-    return _packed_attention(_flash, query, key, value, scaling, kwargs)
-
-
-def varlen_attention_fa4(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """``varlen_attention`` with FlashAttention-4's kernels on CUDA."""
-    return _packed_attention(_fa4, query, key, value, scaling, kwargs)
-
-
 def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None or query.size(0) != 1:
@@ -131,6 +103,29 @@ def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor
         if end > start  # rows of fixed shape end with empty sequences
     ]
     return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def _packed_rows(flash):
+    """An attention function for transformers' ``AttentionInterface`` that runs packed rows with ``flash``:
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention)."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        return _packed_attention(flash, query, key, value, scaling, kwargs)
+
+    return attention
+
+
+varlen_attention = _packed_rows(_flash)
+varlen_attention_fa4 = _packed_rows(_fa4)
 
 
 def use_varlen_attention(model: torch.nn.Module, kernel: str = "torch") -> None:
