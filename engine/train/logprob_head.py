@@ -1,10 +1,10 @@
 """Token logprobs and entropies from the last hidden states, a chunk of tokens at a time.
 
 The logits of a packed 8k-token micro-batch over a 152k vocabulary take 5 GB in float32. Here only
-the positions that carry a label go through the output layer, ``chunk_tokens`` at a time, and by
-default a chunk's logits are recomputed in the backward pass instead of kept, so the head never
-holds more than one chunk of logits whatever the micro-batch size. The recompute costs one more
-head matmul; ``keep_logits`` keeps each chunk's logits in the compute dtype instead.
+the positions that carry a label go through the output layer, ``chunk_tokens`` at a time, so no
+float32 logits exist for more than one chunk. For the backward pass each chunk's logits are either
+kept in the compute dtype (``keep_logits``; the trainer's default) or recomputed there, which costs
+one more head matmul but holds no more than one chunk of logits whatever the micro-batch size.
 Micro-batch layouts hand over precomputed label indices, so nothing here waits for the GPU.
 """
 
