@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from deployments.cli_lake import runs_app, trajectories_app
+from deployments.cli_ledger import ledger_app
 from deployments.cli_lineage import lineage
 from deployments.cli_report import report
 from deployments.cli_server import server_app
@@ -20,6 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-trai
 app.add_typer(server_app, name="server")
 app.add_typer(runs_app, name="runs")
 app.add_typer(trajectories_app, name="trajectories")
+app.add_typer(ledger_app, name="ledger")
 app.command("lineage")(lineage)
 app.command("report")(report)
 

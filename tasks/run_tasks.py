@@ -21,6 +21,7 @@ from engine.run.resume import plan_start, record_owner, started_by
 from engine.run.run_log import RunLog, RunLogHandler, record_start, run_log_for
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
+from engine.storage.ledger import forget_after
 from engine.storage.lineage import record_run_origin
 from engine.storage.report import write_report
 from tasks.artifacts import artifact_key, storage_link
@@ -54,6 +55,7 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     record_run_plan(config, plan)
     record_start(config, plan, attempt=flow_run.get_run_count())
     record_run_origin(config, start)
+    forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
     record_owner(config, attempt)
     logger = get_run_logger()
     if start.action != "fresh":

@@ -18,6 +18,7 @@ import torch
 from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch
 from engine.devices import resolve_device, rollout_device, set_up_process
+from engine.faults import fault_point
 from engine.rollout.backends import build_rollout_backend
 from engine.rollout.base import Generation, SamplingParams
 from engine.rollout.controller import Controller
@@ -104,6 +105,7 @@ class TrainerActor(BuiltFrom):
 
     def share_weights(self) -> SharedWeights:
         """CUDA IPC handles of the current weights (cast for the rollout); held until released."""
+        fault_point("trainer.sync_weights")
         self.release_shared_weights()
         self._sender = WeightSender(self.worker.export_weights(), float_dtype=ROLLOUT_GPU_DTYPE)
         return self._sender.shared()
@@ -127,6 +129,7 @@ class TrainerActor(BuiltFrom):
 
     def broadcast_weights(self, float_dtype: torch.dtype) -> None:
         """Rank 0 sends to the weight group; the other ranks only help gather the full weights."""
+        fault_point("trainer.sync_weights")
         weights = self.worker.export_weights()
         if self.rank == 0:
             group = self._weight_group
@@ -137,6 +140,7 @@ class TrainerActor(BuiltFrom):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; every rank must call it (gathering shards is collective)."""
+        fault_point("trainer.sync_weights")
         weights = self.worker.export_weights()
         return {name: tensor.cpu() for name, tensor in weights.items()} if self.rank == 0 else {}
 
@@ -181,10 +185,12 @@ class RolloutActor(BuiltFrom):
         self._weight_group = rejoin(self._weight_group, address, rank, self._timeout_s)
 
     def receive_weights(self, layouts: list[BucketLayout], policy_version: int) -> int:
+        fault_point("rollout.sync_weights")
         self.backend.load_weights(self._weight_group.receive(layouts), policy_version)
         return policy_version
 
     def load_shared_weights(self, shared: SharedWeights, policy_version: int) -> int:
+        fault_point("rollout.sync_weights")
         weights = receive(shared)
         self.backend.load_weights(weights, policy_version)
         torch.cuda.synchronize()  # the copies out of the trainer's buffers are done before it frees them
@@ -211,6 +217,7 @@ class RolloutActor(BuiltFrom):
         self.backend.resume_generation()
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        fault_point("rollout.sync_weights")
         self.backend.load_weights(state_dict, policy_version)
         return policy_version
 
@@ -342,7 +349,9 @@ class ControllerActor(BuiltFrom):
         self.controller.producer.continue_produce(backend.policy_version, backend)
 
     def pause_produce(self) -> float:
-        return self.controller.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
+        paused_s = self.controller.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
+        fault_point("controller.paused")
+        return paused_s
 
     @ray.method(num_returns=2)
     def get_batch(self, step: int, wait_s: float) -> tuple[dict[str, float], ProduceResult | None]:
@@ -373,7 +382,7 @@ class ControllerActor(BuiltFrom):
         return batch.info, batch
 
     def write_trajectories(self, produced: ProduceResult, step: int, split: str, flow_run_id: str | None = None) -> str:
-        return self.controller.write_trajectories(produced.groups, step, split, flow_run_id)[0]
+        return self.controller.write_trajectories(produced.groups, step, split, flow_run_id, ledger=produced.ledger)[0]
 
     def evaluate(self, step: int, rollouts: list, flow_run_id: str | None = None) -> tuple[str, dict[str, float]]:
         groups, metrics = self.controller.evaluate(step, self._rollout(rollouts))

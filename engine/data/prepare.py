@@ -62,6 +62,21 @@ def invalid_reason(group: list[RolloutSample]) -> str | None:
     return None
 
 
+def group_outcome(group: list[RolloutSample]) -> tuple[str, str]:
+    """What training makes of a group, as the ledger records it: ``("trained", "")``, or why it is left
+    out: ``filtered`` (dynamic sampling), ``failed`` (a sample's reward or generation failed) or
+    ``invalid`` (aborted, empty, or inconsistent), with the reason."""
+    reason = invalid_reason(group)
+    if reason is None:
+        return "trained", ""
+    if all(sample.status == Status.FILTERED for sample in group):
+        return "filtered", group[0].error or reason
+    failed = [sample for sample in group if sample.status == Status.FAILED]
+    if failed:
+        return "failed", failed[0].error or reason
+    return "invalid", reason
+
+
 def build_sequence(sample: RolloutSample, advantage: float) -> TrainSequence:
     prompt, response = sample.prompt_ids, sample.response_ids
     mask = sample.response_mask or [1] * len(response)

@@ -58,6 +58,16 @@ class PromptSampler(Generic[T]):
             self._state.consumed += take
         return batch
 
+    @property
+    def drawn(self) -> tuple[int, int]:
+        """(epoch, position): every item of the epochs before ``epoch`` has been handed out, and the
+        first ``position`` of ``epoch_order(epoch)``."""
+        return self._state.epoch, self._state.position
+
+    def epoch_order(self, epoch: int) -> list[T]:
+        """The items of ``epoch`` in the order they are handed out."""
+        return [self._items[i] for i in self._permutation(epoch)]
+
     def state_dict(self) -> dict[str, int]:
         return {
             "epoch": self._state.epoch,

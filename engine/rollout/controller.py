@@ -32,6 +32,7 @@ from engine.rollout.produce import (
     step_seed,
 )
 from engine.rollout.producer import Producer
+from engine.rollout.prompt_ledger import PromptLedger
 from engine.rollout.task_mix import rollout_inputs
 from engine.storage.checkpoints import load_object, save_object
 from engine.storage.lake import (
@@ -44,7 +45,7 @@ from engine.storage.lake import (
     write_part,
     write_samples,
 )
-from engine.storage.ledger import write_ledger
+from engine.storage.ledger import LedgerEntries
 from engine.storage.lineage import policy_checkpoints, record_step
 
 _KEPT_SNAPSHOTS = 4
@@ -59,13 +60,14 @@ class Controller:
         self.sampler, self.train_report, self.eval_prompts = inputs.sampler, inputs.train_report, inputs.eval_prompts
         self.rewards, self.agent_loop, self.eval_loop = inputs.rewards, inputs.train_loop, inputs.eval_loop
         self.overlong = OverlongShaping.of(config)
+        self.ledger = PromptLedger(config, inputs.samplers)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
         self.producer: Producer | None = None
         if config.disaggregated:
             self.producer = Producer(
                 config, sampler=self.sampler, rewards=self.rewards, overlong=self.overlong, record=self._record_produced,
-                agent_loop=self.agent_loop,
+                agent_loop=self.agent_loop, ledger=self.ledger,
             )
 
     @property
@@ -110,6 +112,8 @@ class Controller:
             produced = fill_batch(produce_round, config.train_batch_size, config.dynamic_sampling.max_rounds)
         else:
             produced = produce_round(0, config.train_batch_size)
+        if not config.debug_rollout:  # debug_rollout trains nothing: its prompts are not accounted for
+            produced.ledger = self.ledger.entries()  # every group drawn is in this batch: none stays open
         self._produced[step] = produced
         for old in sorted(self._produced)[:-_KEPT_BATCHES]:
             del self._produced[old]
@@ -142,10 +146,11 @@ class Controller:
         return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
 
     def write_trajectories(
-        self, groups: list[list[RolloutSample]], step: int, split: str, flow_run_id: str | None = None
+        self, groups: list[list[RolloutSample]], step: int, split: str, flow_run_id: str | None = None,
+        ledger: LedgerEntries | None = None,
     ) -> tuple[str, dict[str, float]]:
         """A step's samples into the lake, with their lineage (``flow_run_id``: the orchestrator run
-        writing them); for a training step, its groups into the ledger too."""
+        writing them); for a produced training batch, its groups and ``ledger`` into the ledger too."""
         samples = [sample for group in groups for sample in group]
         config = self.config
         checkpoints = policy_checkpoints(config, [sample.policy_version for sample in samples])
@@ -154,8 +159,8 @@ class Controller:
             storage_options=config.storage_options, lineage=RowLineage(flow_run_id, checkpoints),
         )
         record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
-        if split == "train" and not config.debug_rollout:
-            write_ledger(groups, run_uri=config.run_uri, run=config.experiment_name, step=step, storage_options=config.storage_options)
+        if split == "train" and ledger is not None:
+            self.ledger.write(groups, ledger, step)
         return uri, summary(samples)
 
     def _record_produced(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:

@@ -15,6 +15,7 @@ from engine.rollout.agent_metrics import agent_summary
 from engine.rollout.base import Generation, RolloutBackend, SamplingParams
 from engine.rollout.rewards import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
+from engine.storage.ledger import LedgerEntries
 
 if TYPE_CHECKING:  # agent loops build on this module's generate()
     from engine.rollout.agent_loops import AgentLoop
@@ -29,6 +30,7 @@ class ProduceResult:
     failed_samples: int = 0
     launched_s: float = 0.0  # wall time (time.time()) the rollout started
     counters: dict[str, float] = field(default_factory=dict)  # e.g. dynamic sampling's sampling/*
+    ledger: LedgerEntries | None = None  # what the ledger records with this batch (training batches only)
 
     @classmethod
     def of(cls, groups: list[list[RolloutSample]], produce_time_s: float = 0.0, launched_s: float | None = None) -> ProduceResult:

@@ -30,6 +30,7 @@ from engine.data.samples import RolloutSample, Status
 from engine.rollout.agent_loops import AgentLoop
 from engine.rollout.base import RolloutBackend
 from engine.rollout.dynamic_sampling import filter_flat_groups
+from engine.rollout.prompt_ledger import PromptLedger
 from engine.rollout.produce import (
     ProduceResult,
     new_groups,
@@ -40,6 +41,7 @@ from engine.rollout.produce import (
 )
 from engine.rollout.replay_buffer import ReplayBuffer, staleness
 from engine.rollout.rewards import RewardRunner
+from engine.storage.ledger import LedgerEntries
 
 
 class ProducerFailure(RuntimeError):
@@ -55,12 +57,14 @@ class TakenBatch:
     produce_s: float = 0.0  # generating and scoring, since the previous batch
     produced_samples: int = 0
     produced_tokens: int = 0
+    ledger: LedgerEntries | None = None  # with a batch of groups: what the ledger records beside them
 
     def as_produced(self) -> tuple[dict[str, float], ProduceResult]:
         """What ``produce_batch`` returns for a colocated step: the summary that travels to the step's
         metrics (here with the ``async/*`` counters and ``expired``), and the samples."""
         produced = ProduceResult.of(self.groups, produce_time_s=self.produce_s)
         produced.produced_samples, produced.produced_tokens = self.produced_samples, self.produced_tokens
+        produced.ledger = self.ledger
         return {**produce_summary(produced), **self.counters, "expired": float(self.expired)}, produced
 
 
@@ -86,10 +90,15 @@ class Producer:
         overlong: OverlongShaping | None = None,
         agent_loop: AgentLoop,
         record: Callable[[list[list[RolloutSample]], int], None],
+        ledger: PromptLedger,
     ) -> None:
-        """``record(groups, round, part)`` writes completed groups to the lake as they are produced."""
+        """``record(groups, round, part)`` writes completed groups to the lake as they are produced;
+        ``ledger`` says what the ledger records with each batch taken."""
         self._config = config
         self._sampler, self._rewards, self._agent_loop, self._record = sampler, rewards, agent_loop, record
+        self._ledger = ledger
+        self._resolved: list[dict] = []  # ledger rows of groups dropped since the previous batch was taken
+        self._taken_batches: dict[int, TakenBatch] = {}  # the latest: a step that asks again gets the same groups
         self._overlong = overlong
         self._backend: RolloutBackend | None = None  # given with each continue_produce
         buffer = config.replay_buffer
@@ -145,12 +154,14 @@ class Producer:
         count = self._config.train_batch_size
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if step in self._taken_batches:  # a retried get_batch, or a driver that lost the first answer
+                return self._taken_batches[step]
             self.progress.consumer_step = step
             self._cond.notify_all()
             while True:
                 self._raise_failure()
                 # Again after every wake-up: a group continued across weight syncs may arrive too stale.
-                if self.buffer.refresh(step):
+                if self.buffer.refresh(step, self._expired):
                     self._cond.notify_all()
                 if self.buffer.count("completed") >= count:
                     return self._take(step, count)
@@ -182,12 +193,17 @@ class Producer:
         with self._cond:
             assert not self._busy, "pause the producer before saving it"
             keep = not self._config.checkpoint_no_save_replay_buffer
-            return {"buffer": self.buffer.state_dict(keep_generations=keep), "progress": vars(self.progress).copy()}
+            return {
+                "buffer": self.buffer.state_dict(keep_generations=keep), "progress": vars(self.progress).copy(),
+                "ledger_resolved": list(self._resolved),
+            }
 
     def load_state_dict(self, state: dict) -> None:
         with self._cond:
             self.buffer.load_state_dict(state["buffer"])
             self.progress = ProducerProgress(**state["progress"])
+            self._resolved = list(state.get("ledger_resolved", []))
+            self._taken_batches.clear()
 
     # -- the producer's side ----------------------------------------------------------------------
 
@@ -281,6 +297,8 @@ class Producer:
             self._in_flight = [group for group in self._in_flight if id(group) not in delivered]
             for group in trainable:
                 self.buffer.put(group, "completed")
+            kept = {id(group) for group in trainable}
+            self._resolved += [self._ledger.row(group) for group in groups if id(group) not in kept]
             self.progress.produced_groups += len(groups)
             self.progress.filtered_groups += len(groups) - len(trainable)
             self._window[1] += sum(len(group) for group in groups)
@@ -295,7 +313,20 @@ class Producer:
             if self._config.replay_buffer.mask_offpolicy_in_partial_rollout and sample.response_versions:
                 newest = max(sample.response_versions)
                 sample.response_mask = [int(version == newest) for version in sample.response_versions]
-        return self._taken(groups, step, expired=self._quota() <= 0)
+        taken = self._taken(groups, step, expired=self._quota() <= 0)
+        self._taken_batches = {step: taken}
+        return taken
+
+    def _expired(self, group: list[RolloutSample], given_up: bool) -> None:
+        """The buffer expires ``group`` (before dropping its responses): generated again, or given up."""
+        self._resolved.append(self._ledger.row(group, "given_up" if given_up else "expired", f"older than {self._config.stale_after} steps"))
+
+    def _ledger_entries(self) -> LedgerEntries:
+        """The rows of the groups dropped since the last batch, and every group still open: buffered,
+        or in the round being generated. Under the lock: consistent with the samplers' positions."""
+        resolved, self._resolved = self._resolved, []
+        still_open = [group.samples for group in self.buffer.groups] + list(self._in_flight)
+        return self._ledger.entries(resolved, still_open)
 
     def _taken(self, groups: list[list[RolloutSample]], step: int, *, expired: bool) -> TakenBatch:
         ages = [staleness(v, step) for group in groups for s in group for v in (s.response_versions or [s.policy_version])]
@@ -313,7 +344,8 @@ class Producer:
         }
         pause_s, self._pause_s = self._pause_s, 0.0
         (seconds, samples, tokens), self._window = self._window, [0.0, 0, 0]
-        return TakenBatch(groups, expired, pause_s, counters, seconds, samples, tokens)
+        ledger = self._ledger_entries() if groups else None  # an empty batch records nothing: the rows wait
+        return TakenBatch(groups, expired, pause_s, counters, seconds, samples, tokens, ledger)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

@@ -9,7 +9,7 @@ and its prompt goes back to the producer (``keep_expired``) or is given up. Grou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from engine.data.samples import RolloutSample, Status
 from engine.storage.lake import from_row, to_row
@@ -60,12 +60,15 @@ class ReplayBuffer:
     def count(self, status: GroupStatus) -> int:
         return sum(group.status == status for group in self.groups)
 
-    def refresh(self, step: int) -> int:
-        """Expire the groups too stale to train at ``step``; returns how many expired now."""
+    def refresh(self, step: int, on_expired: Callable[[list[RolloutSample], bool], None] | None = None) -> int:
+        """Expire the groups too stale to train at ``step``; returns how many expired now.
+        ``on_expired(samples, given_up)`` sees each one before its responses are dropped."""
         holding_tokens = [g for g in self.groups if any(s.response_ids for s in g.samples)]
         expired = [g for g in holding_tokens if g.staleness(step) >= self.stale_after]
         for group in expired:
             self.expired_total += 1
+            if on_expired is not None:
+                on_expired(group.samples, not self.keep_expired)
             if self.keep_expired:
                 reset_responses(group.samples)
                 group.status = "pending"

@@ -24,6 +24,7 @@ from engine.data.samples import RolloutSample
 from engine.rollout.agent_loops import AgentLoop, build_agent_loop
 from engine.rollout.base import RolloutBackend, SamplingParams
 from engine.rollout.rewards import RewardResult, RewardRunner
+from engine.storage.ledger import SINGLE_TASK
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RolloutInputs:
     rewards: Any  # RewardRunner or TaskRewards: score, close
     train_loop: AgentLoop
     eval_loop: AgentLoop
+    samplers: dict[str, PromptSampler[PromptRecord]]  # the ledger's view: each task's own sampler, by name
 
 
 def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
@@ -42,7 +44,10 @@ def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
         prompts, report = load_prompts(config.train_dataset, tokenizer)
         eval_prompts = load_prompts(config.eval_dataset, tokenizer)[0] if config.eval_dataset is not None else []
         loop = build_agent_loop(config.agent, tokenizer, config.max_prompt_length)
-        return RolloutInputs(PromptSampler(prompts, seed=config.seed), report, eval_prompts, RewardRunner(config.reward), loop, loop)
+        sampler = PromptSampler(prompts, seed=config.seed)
+        return RolloutInputs(
+            sampler, report, eval_prompts, RewardRunner(config.reward), loop, loop, samplers={SINGLE_TASK: sampler}
+        )
     tasks = [_build_task(task, config, tokenizer) for task in config.tasks]
     return RolloutInputs(
         sampler=MixedSampler(tasks, seed=config.seed),
@@ -51,6 +56,7 @@ def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
         rewards=TaskRewards(tasks),
         train_loop=TaskLoops(tasks, evaluation=False),
         eval_loop=TaskLoops(tasks, evaluation=True),
+        samplers={task.name: task.sampler for task in tasks},
     )
 
 

@@ -29,6 +29,7 @@ from engine.run.plan import (
 )
 from engine.run.preflight import check_inputs
 from engine.run.run_log import record_start, record_step
+from engine.storage.ledger import forget_after
 from engine.storage.lineage import record_run_origin
 from engine.run.resume import (
     StartPlan,
@@ -97,6 +98,7 @@ class LocalRun:
             record_run_plan(config, self.plan)
             record_start(config, self.plan)
             record_run_origin(config, start)
+            forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
         self.step = start.step
         self.counters = self.plan.counters
         self._phases = LocalPhases(self)
@@ -203,7 +205,7 @@ class LocalPhases:
         return Batch(produce_summary(produced), produced, produced.launched_s)
 
     def write_trajectories(self, step: int, batch: Batch) -> Done[str]:
-        uri, _ = self._run.controller.write_trajectories(batch.samples.groups, step, "train")
+        uri, _ = self._run.controller.write_trajectories(batch.samples.groups, step, "train", ledger=batch.samples.ledger)
         return Done(uri)
 
     def prepare_data(self, step: int, batch: Batch) -> Prepared:

@@ -120,13 +120,19 @@ def produced_uri(run_uri: str, round_index: int) -> str:
 def write_part(table: pa.Table, folder_uri: str, storage_options: dict[str, Any] | None = None, *, part: int = 0) -> str:
     """``table`` as ``{folder_uri}/part-{part}.parquet``, written under a temporary name and renamed,
     so a reader never sees half a file and writing a part again replaces it."""
-    fs, folder = fsspec.core.url_to_fs(folder_uri, **(storage_options or {}))
+    return write_table(table, f"{folder_uri}/part-{part}.parquet", storage_options)
+
+
+def write_table(table: pa.Table, file_uri: str, storage_options: dict[str, Any] | None = None) -> str:
+    """``table`` as the Parquet file ``file_uri``, written under a temporary name beside it and renamed."""
+    fs, path = fsspec.core.url_to_fs(file_uri, **(storage_options or {}))
+    folder, name = path.rsplit("/", 1)
     fs.makedirs(folder, exist_ok=True)
-    temporary = f"{folder}/.part-{part}.{uuid.uuid4().hex}.tmp"
+    temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
     with fs.open(temporary, "wb") as handle:
         pq.write_table(table, handle)
-    fs.mv(temporary, f"{folder}/part-{part}.parquet")
-    return f"{folder_uri}/part-{part}.parquet"
+    fs.mv(temporary, path)
+    return file_uri
 
 
 class LakeError(RuntimeError):

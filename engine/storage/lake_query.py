@@ -24,10 +24,23 @@ from engine.storage.checkpoints import SaveStore
 from engine.storage.lake import stored_steps
 from engine.storage.runs import RunNotFoundError, RunRef, run_folders
 
-# The SQL views over a run: each a folder of Hive partitions, and the partition columns it adds.
-VIEWS: dict[str, list[tuple[str, pa.DataType]]] = {
-    "trajectories": [("split", pa.string()), ("step", pa.int64())],
-    "ledger": [("step", pa.int64())],
+
+@dataclass(frozen=True)
+class View:
+    """A SQL view over a run: the Parquet files under ``folder`` matching ``files``, with the Hive
+    partition columns their paths add."""
+
+    folder: str
+    files: str
+    partitions: tuple[tuple[str, pa.DataType], ...] = ()
+
+
+# ledger: every group a step resolved; ledger_open: what each step left open; ledger_universe: each epoch's prompts.
+VIEWS: dict[str, View] = {
+    "trajectories": View("trajectories", "split=*/step=*/part-*.parquet", (("split", pa.string()), ("step", pa.int64()))),
+    "ledger": View("ledger/groups", "step=*/part-*.parquet", (("step", pa.int64()),)),
+    "ledger_open": View("ledger/open", "step=*/part-*.parquet", (("step", pa.int64()),)),
+    "ledger_universe": View("ledger/universe", "*/epoch-*.parquet"),
 }
 
 
@@ -111,7 +124,7 @@ def query(ref: RunRef, sql: str) -> pa.Table:
     wanted = [name for name in VIEWS if re.search(rf"\b{name}\b", sql, re.IGNORECASE)]
     absent = [name for name in wanted if name not in views]
     if absent:
-        raise QueryError(f"{ref.name} has no {absent[0]} yet: no Parquet parts under {ref.uri}/{absent[0]}/.")
+        raise QueryError(f"{ref.name} has no {absent[0]} yet: no Parquet parts under {ref.uri}/{VIEWS[absent[0]].folder}/.")
     connection = duckdb.connect()
     try:
         for name, dataset in views.items():
@@ -133,21 +146,19 @@ def lake_views(ref: RunRef) -> dict[str, ds.Dataset]:
     """The run's views that have at least one part, as pyarrow datasets read through fsspec."""
     fs, path = ref.filesystem()
     views = {}
-    for name, partitions in VIEWS.items():
-        root = f"{path}/{name}"
-        pattern = "/".join(f"{column}=*" for column, _ in partitions) + "/part-*.parquet"
-        parts = sorted(fs.glob(f"{root}/{pattern}"))
+    for name, view in VIEWS.items():
+        root = f"{path}/{view.folder}"
+        parts = sorted(fs.glob(f"{root}/{view.files}"))
         if parts:
-            views[name] = _dataset(fs, root, parts, partitions)
+            views[name] = _dataset(fs, root, parts, view.partitions)
     return views
 
 
 def _dataset(fs: fsspec.AbstractFileSystem, root: str, parts: list[str], partitions) -> ds.Dataset:
-    partitioning = ds.partitioning(pa.schema(partitions), flavor="hive")
-    factory = ds.FileSystemDatasetFactory(
-        PyFileSystem(FSSpecHandler(fs)), parts, ds.ParquetFileFormat(),
-        ds.FileSystemFactoryOptions(partition_base_dir=root, partitioning=partitioning),
-    )
+    options = ds.FileSystemFactoryOptions(partition_base_dir=root)
+    if partitions:
+        options.partitioning = ds.partitioning(pa.schema(list(partitions)), flavor="hive")
+    factory = ds.FileSystemDatasetFactory(PyFileSystem(FSSpecHandler(fs)), parts, ds.ParquetFileFormat(), options)
     # Every part's schema, not the first one's: parts written before a column was added lack it.
     return factory.finish(factory.inspect(promote_options="permissive", fragments=None))
 
