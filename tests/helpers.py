@@ -61,6 +61,24 @@ def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["rollout_id"])
 
 
+def ledger_check(config) -> str:
+    """`trellis ledger check` on the run, as an operator runs it: asserts it passed (every prompt drawn
+    is open or ended exactly once) and that no group was trained in part; returns what it printed."""
+    import duckdb
+
+    trellis = str(Path(sys.executable).with_name("trellis"))
+    result = subprocess.run([trellis, "ledger", "check", config.run_uri], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    groups = f"read_parquet('{config.run_uri}/ledger/groups/*/*.parquet')"
+    assert duckdb.sql(f"SELECT group_id, samples FROM {groups} WHERE samples != {config.prompt_repeat_k}").fetchall() == []
+    return result.stdout
+
+
+def finished_epochs(check_output: str) -> int:
+    """How many epochs `trellis ledger check` printed as finished."""
+    return sum(line.endswith("finished") for line in check_output.splitlines())
+
+
 def flow_runs(name: str) -> list:
     """The Prefect flow runs called ``name`` (e.g. ``rl_run[experiment]``) on the current API."""
     from prefect.client.orchestration import get_client

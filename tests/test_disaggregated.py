@@ -4,6 +4,7 @@ per-prompt ledger shows every prompt trained exactly once, also across SIGKILLs 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -17,12 +18,14 @@ import duckdb
 import pytest
 import ray
 import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter
 
 from engine.cluster.workers import RunWorkers
-from engine.storage.ledger import EXACTLY_ONCE
+from engine.faults import FAULT_FILE
 from engine.tiny.reverse_task import write_dataset
 from flows.rl_train import rl_train
-from helpers import logged_metrics, tiny_config
+from helpers import finished_epochs, ledger_check, logged_metrics, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,75 +54,99 @@ def test_the_bundled_task_learns_asynchronously_within_its_staleness_bound(tiny_
     metrics = logged_metrics(config)
     assert 0.3 <= metrics[0]["eval/accuracy"] <= 0.5 and metrics[60]["eval/accuracy"] >= 0.75, (metrics[0], metrics[60])
     assert all(metrics[step]["async/staleness_max"] <= 1 for step in range(1, 61))
-    assert metrics[25]["async/staleness_mean"] == 1.0  # the producer did run a step ahead
+    staleness = [metrics[step]["async/staleness_mean"] for step in range(2, 61)]
+    assert sum(staleness) / len(staleness) > 0.5  # the producer ran a step ahead most of the time
     trained = f"{config.run_uri}/trajectories/split=train/*/*.parquet"
     (stalest,) = duckdb.sql(
         f"SELECT max(train_step - version - 1) FROM (SELECT train_step, unnest(response_versions) AS version "
         f"FROM read_parquet('{trained}'))"
     ).fetchall()[0]
     assert stalest == 1
-    assert duckdb.sql(EXACTLY_ONCE.format(run=config.run_uri, epoch=0)).fetchall() == []
-    (count,) = duckdb.sql(f"SELECT count(*) FROM read_parquet('{config.run_uri}/ledger/*/*.parquet')").fetchall()[0]
-    assert count == 60 * 16
+    ledger_check(config)
+    ledger = f"read_parquet('{config.run_uri}/ledger/groups/*/*.parquet')"
+    assert duckdb.sql(f"SELECT status, count(*) FROM {ledger} GROUP BY status").fetchall() == [("trained", 60 * 16)]
     produced = f"{config.run_uri}/produced/*/*.parquet"
     (made,) = duckdb.sql(f"SELECT count(DISTINCT group_id) FROM read_parquet('{produced}')").fetchall()[0]
     assert made >= 60 * 16  # every group entered the lake when scored, trained or not
 
 
-def ledger_problems(config, epochs: int) -> list:
-    """Prompts of the first ``epochs`` epochs trained other than once, and groups trained in part."""
-    found = []
-    for epoch in range(epochs):
-        found += duckdb.sql(EXACTLY_ONCE.format(run=config.run_uri, epoch=epoch)).fetchall()
-    ledger = f"read_parquet('{config.run_uri}/ledger/*/*.parquet')"
-    found += duckdb.sql(f"SELECT group_id, samples FROM {ledger} WHERE samples != 8").fetchall()
-    (trained,) = duckdb.sql(f"SELECT count(DISTINCT (epoch, prompt_index)) FROM {ledger} WHERE epoch < {epochs}").fetchall()[0]
-    if trained != 32 * epochs:
-        found.append(("prompts trained", trained))
-    return found
+def recoveries(name: str) -> list[str]:
+    """What Prefect did about a failure: each rl_run[name] attempt after the first, and each retried
+    task of its step flow runs."""
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": [f"rl_run[{name}]"]}))
+            parents, every = [run.id for run in runs], list(runs)
+            while parents:
+                children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": parents}))
+                every += children
+                parents = [child.id for child in children]
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id for run in every]}))
+            return runs, tasks
+
+    runs, tasks = asyncio.run(read())
+    return [f"{run.name} attempt {run.run_count}" for run in runs if run.run_count > 1] + [
+        f"{task.name} retried" for task in tasks if task.run_count > 1
+    ]
 
 
-def kill_when(step_file: Path, pid_of, stop: threading.Event) -> threading.Thread:
-    """SIGKILL the process ``pid_of()`` names once ``step_file`` exists."""
-
-    def watch() -> None:
-        while not stop.is_set() and not step_file.exists():
-            time.sleep(0.02)
-        if not stop.is_set():
-            os.kill(pid_of(), signal.SIGKILL)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+# (victim, where it is killed): while a step's groups are scored (the reward function SIGKILLs the
+# victim's process), or at a fault point of the workers (engine.faults): during weight sync, on either
+# side, and while the producer is paused for it.
+KILLS = [
+    ("rollout", "scoring"), ("controller", "scoring"),
+    ("trainer", "trainer.sync_weights"), ("rollout", "rollout.sync_weights"), ("controller", "controller.paused"),
+]
 
 
-@pytest.mark.parametrize("victim, seed", [("rollout", 1), ("trainer", 2), ("controller", 3)])
-def test_a_worker_killed_mid_run_loses_no_prompt_and_trains_none_twice(tiny_model, tmp_path, ray_cluster, prefect_api, victim, seed):
-    """32 prompts (2 steps an epoch), 8 steps, checkpoints every 2. The victim is SIGKILLed when a
-    randomly chosen step's trajectories land. A lost rollout worker is replaced by the retried task and
-    the producer restarts; a lost trainer or controller fails the attempt, whose Prefect retry resumes
-    from the last checkpoint. Either way the ledger shows each prompt of epochs 0-3 trained exactly
-    once and no group trained in part."""
+@pytest.mark.parametrize("victim, point", KILLS, ids=["rollout-scoring", "controller-scoring", "trainer-sync", "rollout-sync", "controller-paused"])
+def test_a_worker_killed_mid_run_loses_no_prompt_and_trains_none_twice(tiny_model, tmp_path, ray_cluster, prefect_api, victim, point):
+    """32 prompts (2 steps an epoch), 8 steps, checkpoints every 2; when the victim dies is drawn for
+    each run and printed. A lost rollout worker is replaced by the retried task and the producer
+    restarts; a lost trainer or controller fails the attempt, whose Prefect retry resumes from the last
+    checkpoint. The test shows the kill (the marker consumed, the victim's process replaced) and the
+    recovery (a retried task or flow run), then `trellis ledger check` passes."""
+    draw = random.SystemRandom().randrange(1, 6)  # the step (about) whose scoring or weight sync kills the victim
+    print(f"kill: {victim} at {point}, occurrence {draw + 1}")
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
-    config = async_config(tiny_model, data, tmp_path, ray_cluster, f"kill_{victim}", total_train_steps=8,
-                          cluster={"address": ray_cluster["address"], "flow_retries": 2})
+    fault_file = tmp_path / "fault"
+    name = f"kill_{victim}_{point.replace('.', '_')}"
+    changes = {}
+    if point == "scoring":
+        changes["reward"] = {"function": "fault_rewards:kill_once"}
+    config = async_config(tiny_model, data, tmp_path, ray_cluster, name, total_train_steps=8, **changes,
+                          cluster={"address": ray_cluster["address"], "flow_retries": 2, "release_workers_at_end": False,
+                                   "runtime_env": {"env_vars": {FAULT_FILE: str(fault_file)}}})
     workers = RunWorkers(config)
-    at = random.Random(seed).randint(2, 6)
-    stop = threading.Event()
-    watcher = kill_when(tmp_path / f"kill_{victim}" / "trajectories" / "split=train" / f"step={at:06d}" / "part-0.parquet",
-                        lambda: workers.pids()[victim], stop)
+    workers.attach()
+    before = workers.pids()
+    if point == "scoring":
+        kill_file = ray_cluster["kill_file"]
+        kill_file.write_text(f"{before[victim]} {draw * 16 * 8}")
+    else:
+        fault_file.write_text(f"{point} {draw}")
     try:
         rl_train(config)
+        after = workers.pids()
     finally:
-        stop.set()
-        watcher.join(timeout=5)
-    assert ledger_problems(config, epochs=4) == []
+        workers.release()
+    if point == "scoring":
+        assert not kill_file.exists(), "the reward function never reached its kill"
+    else:
+        assert not fault_file.exists(), "the workers never reached the fault point"
+        assert Path(f"{fault_file}.fired").read_text().split() == [point, str(before[victim])]
+    assert after[victim] != before[victim]  # the victim died and was replaced
+    assert recoveries(name), "no retried task or flow run: nothing recovered from the kill"
     assert sorted(logged_metrics(config)) == list(range(1, 9))
+    assert finished_epochs(ledger_check(config)) >= 3
 
 
-def test_a_flow_process_killed_mid_run_resumes_without_losing_a_prompt(tiny_model, tmp_path, ray_cluster, prefect_api):
-    """The flow process (and its temporary Prefect server) SIGKILLed mid-step; `trellis train --resume`
-    continues on the live workers from the last checkpoint."""
+def test_a_flow_process_killed_three_times_resumes_without_losing_a_prompt(tiny_model, tmp_path, ray_cluster, prefect_api):
+    """`trellis train` (the flow process and its temporary Prefect server) SIGKILLed three times, each
+    while a step drawn for the run is under way (its trajectories written), and resumed with
+    `trellis train --resume` on the live workers from the last checkpoint; the last resume finishes."""
+    steps = sorted(random.SystemRandom().sample(range(2, 8), 3))
+    print(f"kill the flow process during steps {steps}")
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
     config = async_config(tiny_model, data, tmp_path, ray_cluster, "kill_flow", total_train_steps=8)
     config_file = tmp_path / "run.yaml"
@@ -127,18 +154,20 @@ def test_a_flow_process_killed_mid_run_resumes_without_losing_a_prompt(tiny_mode
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     trellis = str(Path(sys.executable).with_name("trellis"))
-    flow_process = subprocess.Popen([trellis, "train", str(config_file)], cwd=ROOT, env=env, start_new_session=True,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    step_five = tmp_path / "kill_flow" / "trajectories" / "split=train" / "step=000005" / "part-0.parquet"
-    deadline = time.time() + 300
-    while not step_five.exists():
-        assert flow_process.poll() is None and time.time() < deadline, "the flow process ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(flow_process.pid, signal.SIGKILL)
-    flow_process.wait(timeout=30)
-    assert max(logged_metrics(config)) < 8, "the run was not interrupted"
+    for attempt, step in enumerate(steps):
+        command = [trellis, "train", str(config_file), *(["--resume"] if attempt else [])]
+        flow_process = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        under_way = tmp_path / "kill_flow" / "trajectories" / "split=train" / f"step={step:06d}" / "part-0.parquet"
+        deadline = time.time() + 600
+        while not under_way.exists():
+            assert flow_process.poll() is None and time.time() < deadline, f"the flow process ended before step {step}"
+            time.sleep(0.05)
+        os.killpg(flow_process.pid, signal.SIGKILL)
+        assert flow_process.wait(timeout=30) == -signal.SIGKILL
+        assert max(logged_metrics(config)) < 8, "the run was not interrupted"
     rl_train(config, resume=True)
-    assert ledger_problems(config, epochs=4) == []
+    assert finished_epochs(ledger_check(config)) >= 3
     assert sorted(logged_metrics(config)) == list(range(1, 9))
 
 
@@ -171,16 +200,16 @@ def test_a_rollout_worker_that_dies_on_every_restart_ends_the_run_with_its_cause
 
 def test_a_reward_module_the_workers_cannot_import_ends_the_run_with_its_cause(tiny_model, tmp_path, ray_cluster, prefect_api):
     """Tried: a reward module that imports on the driver (so preflight passes) and raises
-    ModuleNotFoundError on the workers. The run ends at once with the module's own error, well inside
+    ModuleNotFoundError on the workers. The run ends with the module's own error, without waiting for
     ray_get_timeout_s, and trains nothing."""
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
     config = async_config(tiny_model, data, tmp_path, ray_cluster, "no_judge", total_train_steps=4,
                           reward={"function": "worker_only_reward:score"},
-                          cluster={"address": ray_cluster["address"], "flow_retries": 0, "ray_get_timeout_s": 120})
+                          cluster={"address": ray_cluster["address"], "flow_retries": 0, "ray_get_timeout_s": 900})
     started = time.monotonic()
-    with pytest.raises(Exception, match="judge_sdk"):
+    with pytest.raises(Exception, match="judge_sdk") as failure:
         rl_train(config)
-    assert time.monotonic() - started < 120
+    assert time.monotonic() - started < 900 and "within 900s" not in str(failure.value)  # it did not wait for a timeout
     metrics = Path(config.run_uri, "logs", "metrics.jsonl")
     assert not metrics.exists() or logged_metrics(config) == {}
     held = [info["name"] for info in ray.util.placement_group_table().values()

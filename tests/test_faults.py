@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import TaskRunFilter
 from engine.cluster.workers import RunWorkers
 from engine.storage.checkpoints import SaveStore
 from flows.rl_train import rl_train
-from helpers import flow_runs, lake_rows, logged_metrics, tiny_config
+from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -77,6 +77,8 @@ def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajecto
     assert logged_metrics(config) == logged_metrics(uninterrupted)
     assert lake_rows(config) == lake_rows(uninterrupted)
     assert lake_rows(config, "eval") == lake_rows(uninterrupted, "eval")
+    assert flow_process.returncode == -signal.SIGKILL  # the kill, not an exit of its own, ended it
+    ledger_check(config)
     (run,) = flow_runs("rl_run[killed]")  # the killed run lived on the temporary server that died with it
     restored = [r for r in _task_runs("restore_checkpoint") if r.flow_run_id == run.id]
     assert [r.state_name for r in restored] == ["Completed"]
@@ -108,6 +110,7 @@ def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
     assert len(rows) == STEPS * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     assert rows == lake_rows(uninterrupted)
     assert logged_metrics(config) == logged_metrics(uninterrupted)
+    ledger_check(config)
 
 
 def _task_runs(name: str) -> list:

@@ -22,7 +22,7 @@ from engine.train.packing import split_by_tokens
 from engine.train.sharded_checkpoint import is_sharded
 from engine.train.worker import TrainingWorker
 from flows.rl_train import rl_train
-from helpers import flow_runs, lake_rows, logged_metrics, tiny_config
+from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
 
 COMPARED = ("pg_loss", "grad_norm", "entropy", "kl", "clipfrac", "mismatch/k3_kl")
 
@@ -164,6 +164,7 @@ def test_a_trainer_rank_killed_mid_run_is_rebuilt_with_its_group_and_the_run_res
     rows = lake_rows(config)
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     assert sorted(logged_metrics(config)) == [1, 2, 3, 4]
+    ledger_check(config)
 
 
 def test_the_in_process_runner_refuses_several_workers_per_side(tiny_model, reverse_data, tmp_path):
