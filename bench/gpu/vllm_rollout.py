@@ -1,6 +1,7 @@
 """Rollout through trellis's vLLM backend against bare vLLM (the same engine, called directly) and the
 transformers loop; weight sync trainer -> vLLM; sleep / wake times. Random-init Qwen2-0.5B shape, bf16,
-128 prompt + 256 new tokens, sampled at T=1 with logprobs.
+128 prompt + 256 new tokens, sampled at T=1 with logprobs (logprobs=0 on both sides), 6 alternated
+rounds per batch size, each round's ratio from its back-to-back pair; median and min/max printed.
 
     python bench/gpu/vllm_rollout.py OUT_DIR
 
@@ -28,6 +29,7 @@ from engine.rollout.vllm_backend import VllmRollout  # noqa: E402
 from engine.tiny.model import build_tokenizer  # noqa: E402
 
 PROMPT, NEW = 128, 256
+ROUNDS = 6
 
 
 def prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -66,19 +68,25 @@ def main() -> None:
         return backend._llm.generate(requests, sampling, use_tqdm=False)
 
     backend.generate(prompts(16, vocab, 0), params)  # warm-up
+    bare(prompts(16, vocab, 1))
     for batch in (64, 256):
         ours, theirs = [], []
-        for round_index in range(3):  # alternate, so drift hits both alike
+        for round_index in range(ROUNDS):  # alternate, so drift hits both alike
             # Fresh prompts for every call: a repeated prompt would be served from the prefix cache.
             ours_prompts, bare_prompts = prompts(batch, vocab, 100 + 2 * round_index), prompts(batch, vocab, 101 + 2 * round_index)
             seconds, generations = timed(lambda: backend.generate(ours_prompts, params))
             ours.append(sum(len(g.response_ids) for g in generations) / seconds)
             seconds, outputs = timed(lambda: bare(bare_prompts))
             theirs.append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+        ratios = [a / b for a, b in zip(ours, theirs)]  # each round's pair ran back to back
         result[f"bs{batch}"] = {
+            "rounds": ROUNDS,
             "trellis_vllm_tok_s": statistics.median(ours),
+            "trellis_vllm_tok_s_min_max": [min(ours), max(ours)],
             "bare_vllm_tok_s": statistics.median(theirs),
-            "ratio_trellis_vs_bare": statistics.median(ours) / statistics.median(theirs),
+            "bare_vllm_tok_s_min_max": [min(theirs), max(theirs)],
+            "ratio_trellis_vs_bare": statistics.median(ratios),
+            "ratio_min_max": [min(ratios), max(ratios)],
         }
 
     # Weight sync from a trainer-like fp32 copy on the same GPU, then the sleep / wake switch.
