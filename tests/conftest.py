@@ -53,10 +53,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# What use_private_ray_head sets in this process's environment.
+_PRIVATE_HEAD_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real, private head (loopback only, token auth) as trellis starts it, with `ray start --block`:
-    ending that process stops exactly this cluster."""
+    ending that process stops exactly this cluster. Its cluster home (the token) is a folder of the
+    session's, never the user's ~/.trellis: a process the test starts reaches it with
+    ``cluster.home={home}`` (``cluster`` holds address and home as config keys)."""
     import os
 
     import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
@@ -66,7 +72,8 @@ def ray_cluster(tmp_path_factory):
     from engine.config import ClusterConfig
 
     port = _free_port()
-    cluster = ClusterConfig(head_port=port, num_cpus=2)
+    home = tmp_path_factory.mktemp("cluster-home")
+    cluster = ClusterConfig(head_port=port, num_cpus=2, home=str(home))
     kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
     head = subprocess.Popen(
         head_command(cluster, port), env={**os.environ, **head_environment(cluster)},
@@ -77,14 +84,18 @@ def ray_cluster(tmp_path_factory):
     while not is_alive(address, cluster):
         assert time.time() < deadline and head.poll() is None, "the Ray head did not come up"
         time.sleep(0.5)
-    use_private_ray_head(str(auth_token_file(cluster)))
-    # Workers import the fault-injecting reward functions from tests/.
-    env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
-    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-    yield {"address": address, "kill_file": kill_file, "pid": head.pid}
-    ray.shutdown()
-    head.send_signal(signal.SIGTERM)
-    head.wait(timeout=60)
+    with pytest.MonkeyPatch.context() as environment:  # what use_private_ray_head sets goes when the cluster goes
+        for name in _PRIVATE_HEAD_ENV:
+            environment.delenv(name, raising=False)  # this head's token, whatever the shell names
+        use_private_ray_head(str(auth_token_file(cluster)))
+        # Workers import the fault-injecting reward functions from tests/.
+        env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        yield {"address": address, "kill_file": kill_file, "pid": head.pid, "home": str(home),
+               "cluster": {"address": address, "home": str(home)}}
+        ray.shutdown()
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +113,4 @@ def prefect_api():
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.WARNING)
+

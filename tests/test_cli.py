@@ -40,7 +40,7 @@ def test_tiny_model_then_train_through_the_flow(tmp_path, ray_cluster):
         "--set", f"eval_dataset.path={tmp_path}/data/eval.parquet",
         "--set", f"work_dir={tmp_path}/runs",
         "--set", "total_train_steps=2", "--set", "evaluate_step=1", "--set", "eval_dataset.limit=32",
-        "--set", f"cluster.address={ray_cluster['address']}",
+        "--set", f"cluster.address={ray_cluster['address']}", "--set", f"cluster.home={ray_cluster['home']}",
     )
     assert result.returncode == 0, result.stderr
     assert "eval accuracy" in result.stdout
@@ -74,7 +74,7 @@ def test_a_run_sized_in_epochs_shows_its_total_steps(tmp_path, tiny_model, ray_c
         "--set", f"load_from={tiny_model}", "--set", f"train_dataset.path={data}", "--set", "eval_dataset=null",
         "--set", "enable_evaluate=false", "--set", "enable_initial_evaluate=false",
         "--set", "total_train_steps=null", "--set", "total_epochs=1", "--set", f"work_dir={tmp_path}/runs",
-        "--set", f"cluster.address={ray_cluster['address']}",
+        "--set", f"cluster.address={ray_cluster['address']}", "--set", f"cluster.home={ray_cluster['home']}",
     )
     assert result.returncode == 0, result.stderr
     assert "2/2" in result.stdout and "None" not in result.stdout
