@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +19,16 @@ from engine.tiny import lookup_task
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
+
+def pytest_configure(config):
+    """Prefect keeps its database and settings under PREFECT_HOME (~/.prefect): this session, and every
+    process it starts (`trellis train` with a temporary server), keep theirs in a folder of their own,
+    removed at the end. Set here, before a test module imports Prefect, which reads its settings once."""
+    folder = tempfile.mkdtemp(prefix="trellis-tests-prefect-")
+    environment = pytest.MonkeyPatch()
+    environment.setenv("PREFECT_HOME", folder)
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    config.add_cleanup(environment.undo)  # cleanups run last first: the variable goes, then the folder
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +76,6 @@ def ray_cluster(tmp_path_factory):
     ending that process stops exactly this cluster. Its cluster home (the token) is a folder of the
     session's, never the user's ~/.trellis: a process the test starts reaches it with
     ``cluster.home={home}`` (``cluster`` holds address and home as config keys)."""
-    import os
-
     import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
 
     from engine.cluster.compat import use_private_ray_head
