@@ -66,6 +66,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ends_with_this_process():
+    """A preexec_fn that has the kernel send the child SIGTERM when this process ends, however it ends:
+    pytest-timeout ends a hung session with os._exit, which runs no fixture's teardown (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 # What use_private_ray_head sets in this process's environment.
 _PRIVATE_HEAD_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
@@ -89,6 +100,7 @@ def ray_cluster(tmp_path_factory):
     head = subprocess.Popen(
         head_command(cluster, port), env={**os.environ, **head_environment(cluster)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+        preexec_fn=_ends_with_this_process(),
     )
     address = f"127.0.0.1:{port}"
     deadline = time.time() + 90
