@@ -137,3 +137,17 @@ def prefect_api():
 def _quiet_logs(caplog):
     caplog.set_level(logging.WARNING)
 
+
+@pytest.fixture(autouse=True)
+def _torch_modes_restored():
+    """A run in this process (LocalRun) sets torch's threads and, with ``deterministic``, its
+    deterministic mode for the whole process (engine.devices.set_up_process): both go back after each
+    test, so that no test runs in a mode an earlier one left."""
+    import torch
+
+    threads = torch.get_num_threads()
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
