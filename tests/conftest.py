@@ -151,3 +151,33 @@ def _torch_modes_restored():
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
+
+# The fast lane, `pytest -m "not slow"`: a test is slow when it uses one of these fixtures, which start
+# real services (a Ray head, a Prefect server, a cluster through the CLI) and run flows on them...
+SLOW_FIXTURES = frozenset({"ray_cluster", "prefect_api", "live_cluster"})
+# ...or when it trains in this process or a `trellis` one (a LocalRun, itself or in its module's fixture):
+# test_checkpoint's took 2-7 min each with the 2 cores ~9x oversubscribed. A module path marks all its tests.
+SLOW_TESTS = frozenset({
+    "tests/test_checkpoint.py::test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one",
+    "tests/test_checkpoint.py::test_a_checkpoint_write_that_crashes_half_way_leaves_the_previous_one_to_resume",
+    "tests/test_checkpoint.py::test_max_keep_for_checkpoints_and_hf_exports",
+    "tests/test_checkpoint.py::test_the_hf_export_loads_with_from_pretrained_and_generates",
+    "tests/test_checkpoint.py::test_a_checkpoint_without_optimizer_state_needs_an_explicit_choice",
+    "tests/test_checkpoint.py::test_a_fresh_start_refuses_to_overwrite_checkpoints_and_incomplete_ones_are_refused",
+    "tests/test_checkpoint.py::test_debug_rollout_then_debug_train_reproduces_the_first_step",
+    "tests/test_cli.py::test_in_process_training_needs_no_cluster",
+    "tests/test_dynamic_sampling.py::test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake",
+    "tests/test_lake_shell.py",
+    "tests/test_learning.py",
+    "tests/test_multi_task.py::test_two_tasks_mix_by_weight_each_with_its_loop_reward_and_sampling",
+    "tests/test_multi_task.py::test_a_resumed_multi_task_run_draws_what_an_uninterrupted_one_does",
+    "tests/test_multi_task.py::test_the_asynchronous_trainer_mixes_tasks_too",
+    "tests/test_report.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        test, module = item.nodeid.split("[")[0], item.nodeid.split("::")[0]
+        if SLOW_FIXTURES & set(item.fixturenames) or test in SLOW_TESTS or module in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
