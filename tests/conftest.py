@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +19,16 @@ from engine.tiny import lookup_task
 from engine.tiny.model import build_tiny_checkpoint
 from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
+
+def pytest_configure(config):
+    """Prefect keeps its database and settings under PREFECT_HOME (~/.prefect): this session, and every
+    process it starts (`trellis train` with a temporary server), keep theirs in a folder of their own,
+    removed at the end. Set here, before a test module imports Prefect, which reads its settings once."""
+    folder = tempfile.mkdtemp(prefix="trellis-tests-prefect-")
+    environment = pytest.MonkeyPatch()
+    environment.setenv("PREFECT_HOME", folder)
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    config.add_cleanup(environment.undo)  # cleanups run last first: the variable goes, then the folder
 
 
 @pytest.fixture(scope="session")
@@ -53,12 +66,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ends_with_this_process():
+    """A preexec_fn that has the kernel send the child SIGTERM when this process ends, however it ends:
+    pytest-timeout ends a hung session with os._exit, which runs no fixture's teardown (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+# What use_private_ray_head sets in this process's environment.
+_PRIVATE_HEAD_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real, private head (loopback only, token auth) as trellis starts it, with `ray start --block`:
-    ending that process stops exactly this cluster."""
-    import os
-
+    ending that process stops exactly this cluster. Its cluster home (the token) is a folder of the
+    session's, never the user's ~/.trellis: a process the test starts reaches it with
+    ``cluster.home={home}`` (``cluster`` holds address and home as config keys)."""
     import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
 
     from engine.cluster.compat import use_private_ray_head
@@ -66,25 +94,31 @@ def ray_cluster(tmp_path_factory):
     from engine.config import ClusterConfig
 
     port = _free_port()
-    cluster = ClusterConfig(head_port=port, num_cpus=2)
+    home = tmp_path_factory.mktemp("cluster-home")
+    cluster = ClusterConfig(head_port=port, num_cpus=2, home=str(home))
     kill_file = tmp_path_factory.mktemp("faults") / "kill-pid"
     head = subprocess.Popen(
         head_command(cluster, port), env={**os.environ, **head_environment(cluster)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+        preexec_fn=_ends_with_this_process(),
     )
     address = f"127.0.0.1:{port}"
     deadline = time.time() + 90
     while not is_alive(address, cluster):
         assert time.time() < deadline and head.poll() is None, "the Ray head did not come up"
         time.sleep(0.5)
-    use_private_ray_head(str(auth_token_file(cluster)))
-    # Workers import the fault-injecting reward functions from tests/.
-    env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
-    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-    yield {"address": address, "kill_file": kill_file, "pid": head.pid}
-    ray.shutdown()
-    head.send_signal(signal.SIGTERM)
-    head.wait(timeout=60)
+    with pytest.MonkeyPatch.context() as environment:  # what use_private_ray_head sets goes when the cluster goes
+        for name in _PRIVATE_HEAD_ENV:
+            environment.delenv(name, raising=False)  # this head's token, whatever the shell names
+        use_private_ray_head(str(auth_token_file(cluster)))
+        # Workers import the fault-injecting reward functions from tests/.
+        env = {"PYTHONPATH": str(ROOT / "tests"), "TRELLIS_TEST_KILL_FILE": str(kill_file)}
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        yield {"address": address, "kill_file": kill_file, "pid": head.pid, "home": str(home),
+               "cluster": {"address": address, "home": str(home)}}
+        ray.shutdown()
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +136,48 @@ def prefect_api():
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.WARNING)
+
+
+@pytest.fixture(autouse=True)
+def _torch_modes_restored():
+    """A run in this process (LocalRun) sets torch's threads and, with ``deterministic``, its
+    deterministic mode for the whole process (engine.devices.set_up_process): both go back after each
+    test, so that no test runs in a mode an earlier one left."""
+    import torch
+
+    threads = torch.get_num_threads()
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+# The fast lane, `pytest -m "not slow"`: a test is slow when it uses one of these fixtures, which start
+# real services (a Ray head, a Prefect server, a cluster through the CLI) and run flows on them...
+SLOW_FIXTURES = frozenset({"ray_cluster", "prefect_api", "live_cluster"})
+# ...or when it trains in this process or a `trellis` one (a LocalRun, itself or in its module's fixture):
+# test_checkpoint's took 2-7 min each with the 2 cores ~9x oversubscribed. A module path marks all its tests.
+SLOW_TESTS = frozenset({
+    "tests/test_checkpoint.py::test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one",
+    "tests/test_checkpoint.py::test_a_checkpoint_write_that_crashes_half_way_leaves_the_previous_one_to_resume",
+    "tests/test_checkpoint.py::test_max_keep_for_checkpoints_and_hf_exports",
+    "tests/test_checkpoint.py::test_the_hf_export_loads_with_from_pretrained_and_generates",
+    "tests/test_checkpoint.py::test_a_checkpoint_without_optimizer_state_needs_an_explicit_choice",
+    "tests/test_checkpoint.py::test_a_fresh_start_refuses_to_overwrite_checkpoints_and_incomplete_ones_are_refused",
+    "tests/test_checkpoint.py::test_debug_rollout_then_debug_train_reproduces_the_first_step",
+    "tests/test_cli.py::test_in_process_training_needs_no_cluster",
+    "tests/test_dynamic_sampling.py::test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake",
+    "tests/test_lake_shell.py",
+    "tests/test_learning.py",
+    "tests/test_multi_task.py::test_two_tasks_mix_by_weight_each_with_its_loop_reward_and_sampling",
+    "tests/test_multi_task.py::test_a_resumed_multi_task_run_draws_what_an_uninterrupted_one_does",
+    "tests/test_multi_task.py::test_the_asynchronous_trainer_mixes_tasks_too",
+    "tests/test_report.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        test, module = item.nodeid.split("[")[0], item.nodeid.split("::")[0]
+        if SLOW_FIXTURES & set(item.fixturenames) or test in SLOW_TESTS or module in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -28,7 +28,7 @@ STEPS = 6
 
 
 def flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, name, **changes):
-    changes = {"total_train_steps": STEPS, "cluster": {"address": ray_cluster["address"]}, **changes}
+    changes = {"total_train_steps": STEPS, "cluster": ray_cluster["cluster"], **changes}  # its home: the subprocess's token
     return tiny_config(tiny_model, reverse_data, tmp_path, experiment_name=name, **changes)
 
 

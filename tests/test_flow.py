@@ -75,8 +75,7 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     metrics = [line for line in (Path(config.run_uri) / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4  # initial evaluation + 3 steps
     # On CPU nothing moves between the sides, and placement is asked once per actor, not every step.
-    calls = [event["cat"].split(".")[-1] for event in ray.timeline()  # the cluster's, since the run started
-             if event.get("ph") == "X" and str(event.get("cat")).startswith("task::") and float(event["ts"]) >= started_us]
+    calls = actor_calls_since(started_us, at_least={"load_weights": 1, "fit": 3, "generate": 3})
     assert calls.count("offload") == calls.count("onload") == 0 and calls.count("load_weights") == 1
     assert calls.count("gpu_identity") <= 2  # the trainer and the rollout worker
     assert any((Path(config.run_uri) / "logs" / "tensorboard").iterdir())
@@ -87,6 +86,23 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     posted = [log_steps[a.task_run_id] for a in artifacts if a.key == "three-steps-step-metrics"]
     assert sorted(run.name for run in posted) == [f"log_step[step={s}]" for s in (1, 2, 3)]
     assert all(a.flow_run_id == log_steps[a.task_run_id].flow_run_id for a in artifacts if a.key == "three-steps-step-metrics")
+
+
+def actor_calls_since(started_us: float, at_least: dict[str, int], timeout_s: float = 120.0) -> list[str]:
+    """The actor methods the cluster ran since ``started_us`` (one name per call), from Ray's timeline.
+    Each Ray worker sends its events on its own, every second or so: read again until the timeline
+    holds ``at_least`` calls of each name given and has stopped growing, so that a count is neither
+    read short nor missing a late extra call."""
+    deadline = time.monotonic() + timeout_s
+    previous: list[str] | None = None
+    while True:
+        calls = sorted(event["cat"].split(".")[-1] for event in ray.timeline()
+                       if event.get("ph") == "X" and str(event.get("cat")).startswith("task::") and float(event["ts"]) >= started_us)
+        arrived = all(calls.count(name) >= count for name, count in at_least.items())
+        if (arrived and calls == previous) or time.monotonic() > deadline:
+            return calls
+        previous = calls
+        time.sleep(2.0)
 
 
 async def read_artifacts():

@@ -60,7 +60,7 @@ def run_config(tiny_model, reverse_data, work_dir: Path, ray_cluster, **changes)
         eval_dataset={"path": str(reverse_data["eval"]), "max_prompt_length": 64, "limit": 32},
         work_dir=str(work_dir), experiment_name="served", total_train_steps=3, evaluate_step=3,
         checkpoint_interval=3, hf_interval=-1, enable_initial_evaluate=False, exp_tracker="jsonl",
-        cluster={"address": ray_cluster["address"]},
+        cluster=ray_cluster["cluster"],  # the flow runs in the worker's process: the head's token is under its home
     )
     config.update(changes)
     return config

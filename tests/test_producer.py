@@ -17,6 +17,9 @@ from engine.rollout.producer import Producer, ProducerFailure
 from engine.rollout.rewards import RewardRunner
 
 BATCH = 2
+# A deadline for what takes the producer well under a second: waits end as soon as it is done, and a
+# loaded machine does not fail them.
+WAIT_S = 60.0
 
 
 def reward_of_version(sample):
@@ -26,13 +29,17 @@ def reward_of_version(sample):
 
 class ScriptedRollout:
     """Answers prompt i with ``min(length, limits[i])`` tokens (10 under version 0, 11 after), one
-    every ``token_s`` seconds, each sample coming out when it ends; ``abort`` stops at the next token,
-    as the real backends do."""
+    in turn, each sample coming out when it ends; ``abort`` stops at the next token, as the real
+    backends do. With ``hold_at``, the responses still going after that many tokens wait there
+    (``held`` is set) until an abort or a ``release``: a long response that ends when the test says,
+    whatever the load on the machine, so no test races the clock."""
 
-    def __init__(self, length: int = 4, token_s: float = 0.0, fail: Exception | None = None) -> None:
-        self.policy_version, self.length, self.token_s, self.fail = 0, length, token_s, fail
+    def __init__(self, length: int = 4, fail: Exception | None = None, hold_at: int | None = None) -> None:
+        self.policy_version, self.length, self.fail, self.hold_at = 0, length, fail, hold_at
         self.generating = threading.Event()
+        self.held = threading.Event()
         self._abort = threading.Event()
+        self._unheld = threading.Event()
 
     def generate(self, prompts, params, limits=None):
         return in_order(self.stream(prompts, params, limits), len(prompts))
@@ -49,10 +56,13 @@ class ScriptedRollout:
                 if self._abort.is_set():
                     made -= 1
                     break
-                time.sleep(self.token_s)
                 yield from ((i, self._generation(token, made, "length")) for i, t in enumerate(targets) if t == made)
+                if made == self.hold_at and max(targets) > made:
+                    self.held.set()
+                    assert self._unheld.wait(timeout=2 * WAIT_S), "held for a pause or a release that never came"
             yield from ((i, self._generation(token, made, "abort")) for i, t in enumerate(targets) if t > made)
         finally:
+            self.held.clear()
             self.generating.clear()
 
     @staticmethod
@@ -61,9 +71,15 @@ class ScriptedRollout:
 
     def abort(self):
         self._abort.set()
+        self._unheld.set()
+
+    def release(self):
+        """Let held responses go on to their end."""
+        self._unheld.set()
 
     def resume_generation(self):
         self._abort.clear()
+        self._unheld.clear()
 
 
 def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, dynamic_sampling=False, **replay_buffer):
@@ -83,7 +99,7 @@ def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, dynamic_sampling
     return producer, rewards, recorded
 
 
-def wait_until(condition, timeout=10.0):
+def wait_until(condition, timeout=WAIT_S):
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -95,17 +111,17 @@ def test_on_policy_the_producer_makes_one_batch_then_waits_for_new_weights(tmp_p
     backend = ScriptedRollout()
     try:
         producer.continue_produce(0, backend)
-        first = producer.get_batch(1, timeout_s=10)
+        first = producer.get_batch(1, timeout_s=WAIT_S)
         assert len(first.groups) == BATCH and first.expired  # nothing more without the weights of step 1
         assert first.counters["async/staleness_max"] == 0.0
         time.sleep(0.2)
         assert producer.buffer.count("completed") == 0  # held: step 2 needs the weights of step 1
-        held = producer.get_batch(2, timeout_s=10)
+        held = producer.get_batch(2, timeout_s=WAIT_S)
         assert held.groups == [] and held.expired  # the trainer has step 1's weights; the rollout has not
-        producer.pause_produce(timeout_s=10)
+        producer.pause_produce(timeout_s=WAIT_S)
         backend.policy_version = 1
         producer.continue_produce(1, backend)
-        second = producer.get_batch(2, timeout_s=10)
+        second = producer.get_batch(2, timeout_s=WAIT_S)
         assert {s.policy_version for g in second.groups for s in g} == {1}
         assert all(s.reward == 1.0 for g in second.groups for s in g)
         assert sum(count for _, count in recorded) == 2 * BATCH  # every group entered the lake when scored
@@ -121,7 +137,7 @@ def test_with_dynamic_sampling_flat_groups_reach_the_lake_but_never_the_buffer(t
     try:
         producer.continue_produce(0, ScriptedRollout())
         assert producer.get_batch(1, timeout_s=1.0) is None
-        producer.pause_produce(timeout_s=10)
+        producer.pause_produce(timeout_s=WAIT_S)
         assert producer.buffer.count("completed") == 0
         assert producer.progress.filtered_groups == sum(count for _, count in recorded) >= BATCH
     finally:
@@ -136,8 +152,8 @@ def test_one_step_off_policy_the_producer_runs_one_batch_ahead(tmp_path):
         wait_until(lambda: producer.buffer.count("completed") == 2 * BATCH)
         time.sleep(0.2)
         assert producer.buffer.count("completed") == 2 * BATCH  # and no further
-        assert producer.get_batch(1, timeout_s=10).counters["async/staleness_max"] == 0.0
-        assert producer.get_batch(2, timeout_s=10).counters["async/staleness_max"] == 1.0
+        assert producer.get_batch(1, timeout_s=WAIT_S).counters["async/staleness_max"] == 0.0
+        assert producer.get_batch(2, timeout_s=WAIT_S).counters["async/staleness_max"] == 1.0
     finally:
         producer.shutdown()
         rewards.close()
@@ -145,23 +161,24 @@ def test_one_step_off_policy_the_producer_runs_one_batch_ahead(tmp_path):
 
 def test_a_pause_keeps_the_interrupted_samples_and_the_new_weights_finish_them(tmp_path):
     """Partial rollout: the pause interrupts generation mid-response; after the sync the same samples
-    go on from their tokens, which record the version that made each."""
+    go on from their tokens, which record the version that made each. The responses stop at 2 of
+    their 4 tokens until aborted, so only an interrupting pause returns (one that waited for them
+    would time out: tried by removing the pause's abort); no clock is raced."""
     producer, rewards, _ = make_producer(tmp_path, max_staleness=1, enable_partial_rollout=True,
                                          mask_offpolicy_in_partial_rollout=True)
-    backend = ScriptedRollout(length=4, token_s=0.2)
+    backend = ScriptedRollout(length=4, hold_at=2)
     try:
         producer.continue_produce(0, backend)
-        wait_until(backend.generating.is_set)
-        time.sleep(0.3)
-        paused_s = producer.pause_produce(timeout_s=10)
-        assert paused_s < 0.5  # interrupted, not waited for
+        wait_until(backend.held.is_set)
+        producer.pause_produce(timeout_s=WAIT_S)
+        assert not backend.generating.is_set()  # interrupted, not waited for
         assert producer.buffer.count("pending") == 2 * BATCH  # a round takes all the room staleness leaves
         backend.policy_version = 1
-        backend.token_s = 0.0
+        backend.hold_at = None
         producer.continue_produce(1, backend)
-        batch = producer.get_batch(1, timeout_s=10)
+        batch = producer.get_batch(1, timeout_s=WAIT_S)
         versions = [s.response_versions for g in batch.groups for s in g]
-        assert all(v[0] == 0 and v[-1] == 1 and len(v) == 4 for v in versions), versions
+        assert all(v == [0, 0, 1, 1] for v in versions), versions
         assert all(s.response_mask == [int(v == 1) for v in s.response_versions] for g in batch.groups for s in g)
         assert batch.counters["async/resumed_partial_samples"] == 2 * BATCH * 2
         assert batch.counters["async/staleness_max"] == 0.0  # trained at step 1, oldest token from version 0
@@ -175,7 +192,7 @@ def test_a_failing_producer_reaches_the_trainer_with_its_cause(tmp_path):
     try:
         producer.continue_produce(0, ScriptedRollout(fail=RuntimeError("rollout worker lost")))
         with pytest.raises(ProducerFailure, match="RuntimeError: rollout worker lost"):
-            producer.get_batch(1, timeout_s=10)
+            producer.get_batch(1, timeout_s=WAIT_S)
     finally:
         producer.shutdown()
         rewards.close()
@@ -186,7 +203,7 @@ def test_the_buffer_survives_a_checkpoint_and_stale_groups_expire(tmp_path):
     try:
         producer.continue_produce(0, ScriptedRollout())
         wait_until(lambda: producer.buffer.count("completed") == 2 * BATCH)
-        producer.pause_produce(timeout_s=10)
+        producer.pause_produce(timeout_s=WAIT_S)
         state = producer.state_dict()
         restored, restored_rewards, _ = make_producer(tmp_path, max_staleness=1)
         restored.load_state_dict(state)
@@ -200,17 +217,18 @@ def test_the_buffer_survives_a_checkpoint_and_stale_groups_expire(tmp_path):
 
 
 def test_groups_that_finish_early_are_trained_while_the_long_ones_go_on(tmp_path):
-    """A long tail: 4 of the 6 prompts cap their responses at 1 token, 2 at 40 (2 s). The first batch
-    comes from the short groups while the long ones are still generating, and a pause keeps those."""
+    """A long tail: 4 of the 6 prompts cap their responses at 1 token, 2 at 40, which stop at their
+    2nd token until a pause. The first batch comes from the short groups while the long ones are still
+    generating, and a pause keeps those."""
     producer, rewards, recorded = make_producer(tmp_path, caps=(1, 1, 1, 1, 40, 40), max_new_tokens=40, max_staleness=1,
                                                 enable_partial_rollout=True)
-    backend = ScriptedRollout(length=40, token_s=0.05)
+    backend = ScriptedRollout(length=40, hold_at=2)
     try:
         producer.continue_produce(0, backend)
-        batch = producer.get_batch(1, timeout_s=10)
-        assert backend.generating.is_set()  # the long responses are not done
+        batch = producer.get_batch(1, timeout_s=WAIT_S)
+        wait_until(backend.held.is_set)  # the long responses are under way, and end only with the pause
         assert [len(s.response_ids) for g in batch.groups for s in g] == [1] * 2 * BATCH
-        producer.pause_produce(timeout_s=10)
+        producer.pause_produce(timeout_s=WAIT_S)
         interrupted = [s for g in producer.buffer.take_pending(2 * BATCH) for s in g]
         assert interrupted and all(0 < len(s.response_ids) < 40 and s.finish_reason == "abort" for s in interrupted)
         assert sum(count for _, count in recorded) >= BATCH  # what was delivered entered the lake first
@@ -221,22 +239,31 @@ def test_groups_that_finish_early_are_trained_while_the_long_ones_go_on(tmp_path
 
 def test_a_group_continued_across_syncs_that_arrives_too_stale_is_not_trained(tmp_path):
     """On-policy (max_staleness 0) with partial rollout: two groups begun under version 0 are paused,
-    continued under version 1 and end while step 2 waits for its batch. Their oldest tokens are
-    1 version stale at step 2, so they expire instead of being trained; step 2 trains the groups
-    begun under version 1."""
+    continued under version 1 and end while step 2 waits for its batch (held until then). Their
+    oldest tokens are 1 version stale at step 2, so they expire instead of being trained; step 2
+    trains the groups begun under version 1."""
     producer, rewards, _ = make_producer(tmp_path, caps=(40,) * 6, max_new_tokens=40, max_staleness=0,
                                          enable_partial_rollout=True)
-    backend = ScriptedRollout(length=40, token_s=0.02)
+    backend = ScriptedRollout(length=40, hold_at=5)
     try:
         producer.continue_produce(0, backend)
-        wait_until(backend.generating.is_set)
-        time.sleep(0.1)
-        producer.pause_produce(timeout_s=10)
+        wait_until(backend.held.is_set)
+        producer.pause_produce(timeout_s=WAIT_S)
         backend.policy_version = 1
+        backend.hold_at = 10
         assert not backend.generating.is_set()
         producer.continue_produce(1, backend)
-        wait_until(backend.generating.is_set)  # the interrupted groups are being continued, out of the buffer
-        batch = producer.get_batch(2, timeout_s=20)
+        wait_until(backend.held.is_set)  # the interrupted groups are being continued, out of the buffer
+
+        def release_once_step_2_waits():
+            wait_until(lambda: producer.progress.consumer_step >= 2)
+            backend.release()  # what ends now reaches the buffer while get_batch(2) waits
+
+        releaser = threading.Thread(target=release_once_step_2_waits, daemon=True)
+        releaser.start()
+        batch = producer.get_batch(2, timeout_s=WAIT_S)
+        releaser.join(timeout=WAIT_S)
+        assert batch.counters["async/resumed_partial_samples"] == 2 * 2  # the two paused groups went on
         assert batch.counters["async/staleness_max"] == 0.0
         assert {s.oldest_version for g in batch.groups for s in g} == {1}
         assert batch.counters["async/expired_groups"] >= 2

@@ -1,6 +1,9 @@
 """Reward functions that misbehave fail their own sample, with the reason, and never the step."""
 
+import fcntl
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,28 +72,44 @@ def test_builtin_exact_match_and_math_verifier():
 
 
 def hangs_on_h(sample):
+    """Hangs on responses starting with "h", after writing down how many other hung calls are alive
+    then: each holds an exclusive lock on a file of its own for as long as its process lives (the
+    kernel drops it when the process is killed), and the lock file appears already locked."""
     if sample["response"].startswith("h"):
-        with open(sample["starts"], "a") as starts:
-            starts.write(f"{time.time()}\n")
-        time.sleep(3600)
+        folder = Path(sample["locks"])
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as mine:
+            fcntl.flock(mine, fcntl.LOCK_EX)
+            Path(mine.name).rename(Path(mine.name).with_suffix(".lock"))
+            alive = 0
+            for path in folder.glob("*.lock"):
+                with open(path) as other:
+                    try:
+                        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its process is gone
+                    except BlockingIOError:
+                        alive += path.stem != Path(mine.name).stem
+            with open(folder / "alive-at-start", "a") as record:
+                record.write(f"{alive}\n")
+            time.sleep(3600)
     return 1.0 if sample["response"] == sample["label"] else 0.0
 
 
 def test_hung_calls_of_a_batch_run_out_their_timeouts_together_not_one_after_another(tmp_path):
     """5 of 128 samples hang, on one worker. A pool that runs the calls in order starts each hung call
-    only when the one before it was killed (five timeouts in all); here they all start within one
-    timeout, every other sample is scored, and the runner is as good as new for the next batch
-    (bench/reward_timeouts.py measures the wall time)."""
-    starts = tmp_path / "starts"
+    only when the one before it was killed (five timeouts in all); here all five run at once (the last
+    to start finds the four others alive: counted through locks that die with their processes, not
+    from a clock), every other sample is scored, and the runner is as good as new for the next batch
+    (bench/reward_timeouts.py measures the wall time). The timeout leaves room for the 4 extra pools
+    to fork on a loaded machine. Tried: BoundedCalls with max_pools=1 (in order) and max_pools=4 (one
+    hung call waits for a kill) both fail here."""
     responses = ["a"] * 123 + ["h"] * 5
     responses = responses[::2] + responses[1::2]  # the hung ones are spread through the batch
-    samples = [{**sample, "starts": str(starts)} for sample in _samples(*responses)]
-    with RewardRunner(RewardConfig(function=f"{__name__}:hangs_on_h", timeout_s=2.0, num_workers=1)) as runner:
+    samples = [{**sample, "locks": str(tmp_path)} for sample in _samples(*responses)]
+    with RewardRunner(RewardConfig(function=f"{__name__}:hangs_on_h", timeout_s=5.0, num_workers=1)) as runner:
         results = runner.score(samples)
         timed_out = [r for r in results if r.error is not None]
-        assert len(timed_out) == 5 and {r.error for r in timed_out} == {"reward function timed out after 2s"}
+        assert len(timed_out) == 5 and {r.error for r in timed_out} == {"reward function timed out after 5s"}
         assert [r.score for r in results if r.error is None] == [1.0] * 123
-        started = [float(line) for line in starts.read_text().split()]
-        assert len(started) == 5 and max(started) - min(started) < 2.0  # in order, they would be >= 8 s apart
+        alive_at_start = [int(line) for line in (tmp_path / "alive-at-start").read_text().split()]
+        assert len(alive_at_start) == 5 and max(alive_at_start) == 4, alive_at_start  # in order, always 0
         (again,) = runner.score(_samples("a"))
         assert again.score == 1.0

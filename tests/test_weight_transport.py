@@ -69,12 +69,15 @@ def test_cuda_ipc_hands_the_weights_to_another_process(offloaded):
         assert identity == gpu_identity()
 
 
-def _broadcast_receiver(address: GroupAddress, device: str, layouts_: list, results) -> None:
+def _broadcast_receiver(address: GroupAddress, device: str, layouts_: list, results, read) -> None:
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
     group = WeightGroup(address, RECEIVER, timeout_s=60)
     weights = group.receive(layouts_)
     results.put({name: (tensor.cpu(), str(tensor.device)) for name, tensor in weights.items()})
+    # The tensors travel as file descriptors that this process hands over when the parent reads them:
+    # it stays until then (on a busy machine it had exited first: FileNotFoundError in the parent).
+    read.wait(timeout=120)
     group.close()
 
 
@@ -82,15 +85,16 @@ def _exchange(state, address: GroupAddress, sender_device: str, receiver_device:
     """One broadcast from this process to a fresh one; returns what arrived and the sender's group."""
     float_dtype = torch.bfloat16
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+    results, read = context.Queue(), context.Event()
     bucket_layouts = layouts(state, float_dtype=float_dtype, bucket_bytes=40)
-    process = context.Process(target=_broadcast_receiver, args=(address, receiver_device, bucket_layouts, results))
+    process = context.Process(target=_broadcast_receiver, args=(address, receiver_device, bucket_layouts, results, read))
     process.start()
     if sender is not None:
         sender.close()
     sender = WeightGroup(address, SENDER, timeout_s=60)
     sender.send(flatten(state, float_dtype=float_dtype, device=torch.device(sender_device), bucket_bytes=40))
     got = results.get(timeout=120)
+    read.set()
     process.join(timeout=60)
     assert process.exitcode == 0
     return got, sender

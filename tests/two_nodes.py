@@ -50,7 +50,7 @@ def second_node(
     the head's (for its auth token), by default the fixture's. The node's output goes to
     ``tmp_path / "node2.log"``."""
     address = ray_cluster_info["address"]
-    config = config or ClusterConfig(head_port=int(address.rsplit(":", 1)[1]), num_cpus=2)
+    config = config or ClusterConfig(head_port=int(address.rsplit(":", 1)[1]), num_cpus=2, home=ray_cluster_info["home"])
     resources = {NODE2: 1} if resources is None else resources
     before = {node["NodeID"] for node in alive_nodes()}
     log_path = Path(tmp_path) / "node2.log"
