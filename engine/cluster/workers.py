@@ -120,8 +120,8 @@ class RunWorkers:
     def _lookup(self, name: str) -> ActorHandle:
         try:
             return ray.get_actor(name, namespace=self.config.ray_namespace)
-        except ValueError:  # no live actor of that name
-            raise WorkerLostError(f"{self.label(name)} was lost: no live worker of that name") from None
+        except ValueError as error:  # no live actor of that name; Ray's words stay in the run log's traceback
+            raise WorkerLostError(f"{self.label(name)} was lost: no live worker of that name") from error
 
     def label(self, name: str) -> str:
         """How messages name the actor called ``name``: ``trainer rank 1 (exp-trainer-1)``."""
