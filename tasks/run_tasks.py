@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 from prefect import get_client, get_run_logger, task
@@ -115,12 +116,12 @@ def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
         logging.getLogger("engine").removeHandler(handler)
 
 
+@dataclass
 class AttemptProgress:
     """How far an attempt of the run got: past its start decision (a retry then resumes), at which step."""
 
-    def __init__(self) -> None:
-        self.started = False
-        self.step: int | None = None
+    started: bool = False
+    step: int | None = None
 
     @property
     def during(self) -> str:
