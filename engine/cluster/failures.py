@@ -15,6 +15,7 @@ from engine.errors import (
     WorkerLostError,
     WorkerSettingError,
     describe_failure,
+    one_line,
 )
 from engine.secrets import redact
 
@@ -39,13 +40,13 @@ def worker_error(error: RayTaskError | RayActorError, roster: Roster) -> WorkerE
     if isinstance(error, RayActorError):
         built = creation_error(error)
         if built is None:
-            return lost_worker(roster)
+            return lost_worker(roster, error)
         error = built
     cause = error.cause
     while isinstance(cause, RayTaskError):
         error, cause = cause, cause.cause
     if isinstance(cause, RayActorError) and creation_error(cause) is None:
-        return lost_worker(roster)
+        return lost_worker(roster, cause)
     name, method = failed_call(error)
     who = roster.label(name) if name else UNKNOWN_WORKER
     during = " while it was built" if method == "__init__" else f" in {method}" if method else ""
@@ -53,10 +54,12 @@ def worker_error(error: RayTaskError | RayActorError, roster: Roster) -> WorkerE
     return kind(redact(f"{who} failed{during}: {describe_failure(cause)}"))
 
 
-def lost_worker(roster: Roster) -> WorkerLostError:
+def lost_worker(roster: Roster, error: RayActorError) -> WorkerLostError:
+    """The run's workers that are gone, by name; Ray's own account of the death where none is missing
+    (the dead worker already replaced, or its name not yet freed)."""
     names = roster.lost()
     if not names:
-        return WorkerLostError(f"{UNKNOWN_WORKER} was lost: its process died")
+        return WorkerLostError(redact(f"{UNKNOWN_WORKER} was lost: {one_line(str(error))}"))
     if len(names) == 1:
         return WorkerLostError(f"{roster.label(names[0])} was lost: its process died")
     return WorkerLostError(f"{' and '.join(roster.label(name) for name in names)} were lost: their processes died")
