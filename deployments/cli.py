@@ -7,7 +7,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -141,18 +141,16 @@ def train(
         typer.Option("--fork", metavar="RUN@STEP", help="Start this experiment from a complete checkpoint of another run (a name under work_dir, or a URI)."),
     ] = None,
 ) -> None:
-    """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs)."""
-    from engine.config.loading import ConfigError, load_config
-    from engine.data.prompts import DatasetError
-    from engine.run.preflight import InputError, check_inputs
-    from engine.secrets import install_log_redaction
-    from engine.storage.checkpoints import CheckpointError
-    from engine.storage.lake import LakeError
+    """Train: one Prefect flow run per step, on a Ray cluster (a local one is started if none runs).
+
+    A run that fails ends with one line on the console (its traceback goes to the run log): exit code 2
+    for what the user must change (``_refused``: a setting, wherever it was raised), 1 otherwise."""
+    from engine.config.loading import load_config
+    from engine.run.preflight import check_inputs
+    from engine.secrets import install_log_redaction, redact
 
     _quiet_libraries()
-    from engine.storage.runs import RunNotFoundError
-
-    refused: tuple[type[Exception], ...] = (ConfigError, InputError, DatasetError, CheckpointError, LakeError, RunNotFoundError)
+    refused = _refused()
     try:
         cfg = load_config(config, overrides)
         if fork is not None:
@@ -171,8 +169,18 @@ def train(
             prepare_cluster(cfg)  # connects, and checks the workers' environment before any worker exists
             _train_with_flow(cfg, resume)
     except refused as error:
-        typer.secho(str(error), fg=typer.colors.RED, err=True)
+        typer.secho(redact(str(error)), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None
+
+
+def _refused() -> tuple[type[Exception], ...]:
+    """What refuses a run until the user changes something: exit code 2."""
+    from engine.errors import SettingError
+    from engine.storage.checkpoints import CheckpointError
+    from engine.storage.lake import LakeError
+    from engine.storage.runs import RunNotFoundError
+
+    return (SettingError, CheckpointError, LakeError, RunNotFoundError)
 
 
 def fork_source(cfg, fork: str) -> str:
@@ -197,13 +205,23 @@ def fork_source(cfg, fork: str) -> str:
 
 
 def _train_in_process(cfg, resume: bool) -> None:
+    from deployments.progress import RunLogTail
+    from engine.run.run_log import record_failure
+
+    tail = RunLogTail(cfg)
+    try:
+        _run_in_process(cfg, resume, tail)
+    except Exception as error:
+        record_failure(cfg, error, during="the run", next_move="the run ends")
+        _end_with(error, shown=False)
+    _say_where(cfg)
+
+
+def _run_in_process(cfg, resume: bool, tail) -> None:
     from tqdm import tqdm
 
     from engine.run.local import LocalRun
 
-    from deployments.progress import RunLogTail
-
-    tail = RunLogTail(cfg)
     with LocalRun(cfg, resume=resume) as run:
         for line in tail.new_lines():  # how the run starts, and the dataset rows it skipped
             typer.echo(line)
@@ -222,7 +240,6 @@ def _train_in_process(cfg, resume: bool) -> None:
                     bar.write(f"step {report.step}: eval accuracy {metrics['eval/accuracy']:.3f}")
 
             run.run(on_step)
-    _say_where(cfg)
 
 
 def _train_with_flow(cfg, resume: bool) -> None:
@@ -242,22 +259,37 @@ def _train_with_flow(cfg, resume: bool) -> None:
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from tqdm import tqdm
 
-    from deployments.progress import follow_metrics
+    from deployments.progress import RunLogTail, follow_metrics
     from flows.rl_train import rl_train
 
-    done = threading.Event()
+    done, tail = threading.Event(), RunLogTail(cfg)
     bar = tqdm(total=cfg.total_train_steps, desc="train", unit="step", file=sys.stdout)  # the run plan has the total
-    follower = threading.Thread(target=follow_metrics, args=(cfg, bar, done), daemon=True)
+    follower = threading.Thread(target=follow_metrics, args=(cfg, bar, done, tail), daemon=True)
     follower.start()
+    failure: Exception | None = None
     try:
         # The flow heartbeat thread costs ~1 s per flow call and guards nothing a CLI run needs.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             rl_train(cfg, resume=resume)
+    except Exception as error:
+        failure = error
     finally:
         done.set()
         follower.join(timeout=5)
         bar.close()
+    if failure is not None:
+        _end_with(failure, shown=tail.errors_shown > 0)  # the run log's lines, shown above, said why
     _say_where(cfg)
+
+
+def _end_with(error: Exception, *, shown: bool) -> NoReturn:
+    """End a failed run: its one line (unless the run log's lines on the console said it already),
+    exit code 2 for what the user must change, 1 otherwise."""
+    from engine.errors import describe_failure
+
+    if not shown:
+        typer.secho(f"error: {describe_failure(error)}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2 if isinstance(error, _refused()) else 1) from None
 
 
 def _say_where(cfg) -> None:
@@ -275,10 +307,18 @@ def _say_where(cfg) -> None:
 def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_a_prefect_run_record)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def _not_a_prefect_run_record(record: logging.LogRecord) -> bool:
+    """Prefect's account of each flow and task run (states, failures with their tracebacks, retries)
+    goes to its API and UI; on the console, the run log's lines tell the run (``deployments.progress``)."""
+    return not record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
 
 
 if __name__ == "__main__":

@@ -20,29 +20,31 @@ def _read(uri: str, storage_options: dict) -> str | None:
 
 
 class RunLogTail:
-    """The console lines of the run log written since this object was made."""
+    """The console lines of the run log written since this object was made; ``errors_shown`` counts
+    its ERROR lines (a failure the run recorded, which the console need not repeat)."""
 
     def __init__(self, config) -> None:
         from engine.run.run_log import run_log_uri
 
         self._uri, self._options = run_log_uri(config.log_uri), config.storage_options
         self._seen = len(_read(self._uri, self._options) or "")
+        self.errors_shown = 0
 
     def new_lines(self) -> list[str]:
-        from engine.run.run_log import console_lines
+        from engine.run.run_log import console_lines, error_lines
 
         text = _read(self._uri, self._options) or ""
         fresh, self._seen = text[self._seen :], len(text)
+        self.errors_shown += len(error_lines(fresh))
         return console_lines(fresh)
 
 
-def follow_metrics(config, bar, done: threading.Event, every_s: float = 0.5) -> None:
+def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
     from engine.run.plan import run_plan_uri
 
     logs = f"{config.run_uri}/logs"
     seen: set[int] = set()
     plan_text = None
-    tail = RunLogTail(config)
     while True:
         finished = done.wait(every_s)
         for line in tail.new_lines():

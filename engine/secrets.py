@@ -13,8 +13,9 @@ import logging
 import os
 import re
 import threading
+from contextlib import contextmanager
 from importlib import metadata
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import fsspec
 
@@ -104,6 +105,23 @@ def install_log_redaction(*extra: Mapping[str, Any]) -> None:
             return record
 
         logging.setLogRecordFactory(scrubbed_record)
+
+
+@contextmanager
+def scoped_log_redaction() -> Iterator[None]:
+    """Log redaction as it was before the block, once it ends: the record factory and the values
+    known. For tests, which must not leave a process-wide change behind for the tests after them."""
+    global _installed
+    with _lock:
+        factory, values, installed = logging.getLogRecordFactory(), set(_known_values), _installed
+    try:
+        yield
+    finally:
+        with _lock:
+            logging.setLogRecordFactory(factory)
+            _known_values.clear()
+            _known_values.update(values)
+            _installed = installed
 
 
 def redact(text: str) -> str:

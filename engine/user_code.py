@@ -17,8 +17,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from engine.errors import SettingError
 
-class UserCodeError(ValueError):
+
+class UserCodeError(SettingError):
     """A function named in the config cannot be used; the message says why, without a traceback."""
 
 

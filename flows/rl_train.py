@@ -24,6 +24,7 @@ from tasks.run_tasks import (
     attach_workers,
     close_trackers,
     engine_warnings_in_run_log,
+    failures_in_run_log,
     publish_report,
     release_workers,
     restore_checkpoint,
@@ -41,9 +42,11 @@ def rl_step(config: TrellisConfig, plan: RunPlan, step: int, counters: RunCounte
 def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     """One attempt at the run: attach to the workers, restore where it starts, then one ``rl_step``
     flow run per step. A Prefect retry of a failed attempt resumes from the latest complete
-    checkpoint, if the failed attempt got past its start decision."""
-    with engine_warnings_in_run_log(config) as run_log:
+    checkpoint, if the failed attempt got past its start decision; a failure is written to the run log
+    with what happens next."""
+    with engine_warnings_in_run_log(config), failures_in_run_log(config) as attempt:
         plan = restore_checkpoint(config, resume, attach_workers(config))
+        attempt.started = True
         phases = TaskPhases(config)
         metrics = run_initial_evaluation(phases, plan) or {}
         counters, step = plan.counters, plan.first_step
@@ -53,11 +56,8 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
         # is joined at the step's end, up to a second per step.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             while step <= plan.total_steps:
-                try:
-                    outcome = rl_step(config, plan, step, counters)
-                except Exception as error:
-                    run_log.error(f"step {step} failed: {type(error).__name__}: {error}")
-                    raise
+                attempt.step = step
+                outcome = rl_step(config, plan, step, counters)
                 counters = outcome.counters
                 if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
                     metrics, step = outcome.metrics, step + 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
-from prefect import get_run_logger, task
+from prefect import get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
@@ -15,20 +16,28 @@ from engine.cluster.head import connect
 from engine.cluster.phases import ClusterPhases
 from engine.cluster.workers import RunWorkers
 from engine.config import TrellisConfig
+from engine.errors import SettingError
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
 from engine.run.resume import plan_start, record_owner, started_by
-from engine.run.run_log import RunLog, RunLogHandler, record_start, run_log_for
+from engine.run.run_log import (
+    RunLog,
+    RunLogHandler,
+    after_failure,
+    record_failure,
+    record_start,
+    run_log_for,
+)
 from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
 from engine.storage.ledger import forget_after
 from engine.storage.lineage import record_run_origin
 from engine.storage.report import write_report
 from tasks.artifacts import artifact_key, storage_link
-from tasks.step_tasks import NOT_STORED
+from tasks.step_tasks import NOT_STORED, unless_a_setting_error
 
 
-@task(name="attach_workers", retries=2, retry_delay_seconds=2, **NOT_STORED)
+@task(name="attach_workers", retries=2, retry_delay_seconds=2, retry_condition_fn=unless_a_setting_error, **NOT_STORED)
 def attach_workers(config: TrellisConfig) -> WorkerFacts:
     """Connect to the cluster and get (or create) the run's named actors; report where they stand."""
     install_log_redaction(config.storage_options)
@@ -107,3 +116,39 @@ def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
         yield run_log
     finally:
         logging.getLogger("engine").removeHandler(handler)
+
+
+@dataclass
+class AttemptProgress:
+    """How far an attempt of the run got: past its start decision (a retry then resumes), at which step."""
+
+    started: bool = False
+    step: int | None = None
+
+    @property
+    def during(self) -> str:
+        return f"step {self.step}" if self.step is not None else "the run's start"
+
+
+@contextmanager
+def failures_in_run_log(config: TrellisConfig) -> Iterator[AttemptProgress]:
+    """A failed attempt writes to the run log what failed, why and what happens next (a retry, from
+    which checkpoint, or the end of the run), with the traceback. A setting error is not retried."""
+    progress = AttemptProgress()
+    try:
+        yield progress
+    except Exception as error:
+        attempt, retries, setting = flow_run.get_run_count(), config.cluster.flow_retries, isinstance(error, SettingError)
+        if setting and attempt <= retries:
+            _end_retries()
+        next_move = after_failure(config, started=progress.started, attempt=attempt, retries=retries, setting=setting)
+        record_failure(config, error, during=progress.during, next_move=next_move)
+        raise
+
+
+def _end_retries() -> None:
+    """Prefect's flows take no retry condition (its tasks do): the server retries a failed flow run
+    while its run count is within its policy's retries, so the policy is lowered to the count reached."""
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run.get_id())
+        client.update_flow_run(run.id, empirical_policy=run.empirical_policy.model_copy(update={"retries": run.run_count - 1}))

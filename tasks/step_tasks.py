@@ -17,13 +17,21 @@ from prefect.runtime import flow_run, task_run
 
 from engine.cluster.phases import ClusterPhases
 from engine.config import TrellisConfig
+from engine.errors import SettingError
 from engine.run.metrics import RunCounters
 from engine.run.run_log import run_log_for
 from engine.run.step import Batch, Evaluation, Prepared
 from tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
-RETRIED = dict(retries=2, retry_delay_seconds=1, **NOT_STORED)
+
+
+def unless_a_setting_error(task, task_run, state) -> bool:
+    """Retry a failed task unless a setting the user must change failed it: the retry would meet it again."""
+    return not isinstance(state.result(raise_on_failure=False), SettingError)
+
+
+RETRIED = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=unless_a_setting_error, **NOT_STORED)
 
 
 def _phases(config: TrellisConfig) -> ClusterPhases:

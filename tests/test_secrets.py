@@ -10,7 +10,14 @@ import pytest
 
 from engine.config import TrellisConfig
 from engine.config.loading import ConfigError, load_config
-from engine.secrets import REDACTED, install_log_redaction, redact_mapping, write_runtime_environment
+from engine.secrets import (
+    REDACTED,
+    install_log_redaction,
+    redact,
+    redact_mapping,
+    scoped_log_redaction,
+    write_runtime_environment,
+)
 
 SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG-bPxRfiCY",
@@ -19,6 +26,13 @@ SECRETS = {
     "DB_PASSWORD": "hunter2-but-longer",
     "OPENAI_CREDENTIALS": "sk-proj-abcdef123456",
 }
+
+
+@pytest.fixture(autouse=True)
+def _redaction_left_as_found():
+    """The tests here install log redaction, which is process-wide: later tests must not inherit it."""
+    with scoped_log_redaction():
+        yield
 
 
 def test_env_json_masks_every_credential_and_keeps_the_rest(tmp_path, monkeypatch):
@@ -103,3 +117,17 @@ def test_tracebacks_and_reward_errors_are_scrubbed_too():
     with RewardRunner(RewardConfig(function=f"{__name__}:leaks_its_input")) as runner:
         (result,) = runner.score([sample])
     assert result.error == f"reward function raised PermissionError: storage refused key {REDACTED}"
+
+
+def test_scoped_redaction_leaves_logging_as_it_found_it(caplog):
+    """Tried: redaction installed inside the scope, then a record made after it. Inside, the value is
+    masked; after, the record factory is the one from before and the value is no longer known."""
+    caplog.set_level(logging.INFO)
+    factory = logging.getLogRecordFactory()
+    with scoped_log_redaction():
+        install_log_redaction({"secret": "scoped-value-7788"})
+        logging.getLogger("trellis.test.scope").info("inside %s", "scoped-value-7788")
+        assert redact("scoped-value-7788") == REDACTED
+    logging.getLogger("trellis.test.scope").info("after %s", "scoped-value-7788")
+    assert [record.getMessage() for record in caplog.records] == [f"inside {REDACTED}", "after scoped-value-7788"]
+    assert logging.getLogRecordFactory() is factory and redact("scoped-value-7788") == "scoped-value-7788"

@@ -42,13 +42,21 @@ from engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, r
 
 
 class BuiltFrom:
-    """What every actor shell keeps: the fingerprint it was built with, and the run's credentials."""
+    """What every actor shell keeps: its name, the fingerprint it was built with, and the run's credentials."""
+
+    _name: str = "a trellis worker"  # until its constructor runs
 
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials, side: str) -> None:
+        self._name = ray.get_runtime_context().get_actor_name() or type(self).__name__
         self._fingerprint = fingerprint
         self._credentials = credentials
         credentials.apply()
         set_up_process(config, side)
+
+    def __repr__(self) -> str:
+        # Ray puts an actor's repr in the errors its calls raise, its constructor's too (and in its log
+        # lines): the driver reads back from it which worker failed (``engine.cluster.failures``).
+        return self._name
 
     def fingerprint(self) -> WorkerFingerprint:
         return self._fingerprint

@@ -4,11 +4,13 @@ transformers' are in ``engine.compat``)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ray._private import ray_constants
 from ray._private.runtime_env import packaging
 from ray._raylet import Config
+from ray.exceptions import RayActorError, RayTaskError
 
 
 def use_private_ray_head(token_file: str | None) -> None:
@@ -40,3 +42,25 @@ def upload_package(zip_path: str) -> str:
         packaging.upload_package_to_gcs(uri, package.read_bytes())
     packaging.pin_runtime_env_uri(uri)  # kept while the workers that use it start
     return uri
+
+
+# Ray's errors keep less than they show. An actor's failed constructor reaches the driver as an
+# ActorDiedError that holds the constructor's RayTaskError only as its first argument, and a method's
+# error is raised as a copy (`as_instanceof_cause`) that keeps the cause but not which actor or method
+# failed: those are left in the text's first line, `ray::[name:]Class.method() (pid=..., repr=...)`.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FAILED_CALL = re.compile(r"ray::(?:\S+?:)?\w+\.(?P<method>\w+)\(\).*?repr=(?P<repr>[^,)]*)\)")
+
+
+def creation_error(error: RayActorError) -> RayTaskError | None:
+    """What an actor's constructor raised, if ``error`` says that is why the actor died."""
+    if error.actor_init_failed and error.args and isinstance(error.args[0], RayTaskError):
+        return error.args[0]
+    return None
+
+
+def failed_call(error: RayTaskError) -> tuple[str | None, str | None]:
+    """The ``repr`` of the actor whose call raised ``error`` (the actor shells make it their name) and
+    the method called; ``None`` where Ray did not say."""
+    found = _FAILED_CALL.search(_ANSI.sub("", str(error).split("\n", 1)[0]))
+    return (found["repr"], found["method"]) if found else (None, None)

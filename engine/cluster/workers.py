@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from engine.cluster.actors import (
     ControllerActor,
@@ -32,6 +32,7 @@ from engine.cluster.actors import (
 )
 from engine.cluster.actor_gpus import gpus_of, on_gpus
 from engine.cluster.environment import check_worker_environment, worker_runtime_env
+from engine.cluster.failures import worker_error
 from engine.cluster.placement import (
     gpu_requests,
     placement_strategy,
@@ -39,6 +40,7 @@ from engine.cluster.placement import (
 )
 from engine.cluster.weight_sync import push_weights
 from engine.config import TrellisConfig
+from engine.errors import WorkerLostError
 from engine.run.code_bundle import CodeBundle, shipped_code
 from engine.run.identity import WorkerFingerprint
 from engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
@@ -73,7 +75,14 @@ class RunWorkers:
     def wait(self, refs: Any) -> Any:
         """``ray.get`` bounded by ``cluster.ray_get_timeout_s``; for a list, the first failure is raised
         as soon as it happens (a lost trainer rank must not leave the driver waiting on the others,
-        which wait for it in a collective)."""
+        which wait for it in a collective). A worker's failure is raised as a ``WorkerError`` that
+        names the worker (``engine.cluster.failures``)."""
+        try:
+            return self._get(refs)
+        except (RayTaskError, RayActorError) as error:
+            raise worker_error(error, self) from error
+
+    def _get(self, refs: Any) -> Any:
         if not isinstance(refs, list) or len(refs) < 2:
             return ray.get(refs, timeout=self._timeout_s)
         deadline = time.monotonic() + self._timeout_s
@@ -100,12 +109,33 @@ class RunWorkers:
         return self.names(role)[0]
 
     def actor(self, role: Role) -> ActorHandle:
-        """The live actor of ``role`` (its first: trainer rank 0); ``ValueError`` when there is none."""
-        return ray.get_actor(self.name(role), namespace=self.config.ray_namespace)
+        """The live actor of ``role`` (its first: trainer rank 0); ``WorkerLostError`` (a ``ValueError``)
+        when there is none."""
+        return self._lookup(self.name(role))
 
     def actors(self, role: Role) -> list[ActorHandle]:
-        """Every live actor of ``role`` (trainer ranks in order); ``ValueError`` when one is missing."""
-        return [ray.get_actor(name, namespace=self.config.ray_namespace) for name in self.names(role)]
+        """Every live actor of ``role`` (trainer ranks in order); ``WorkerLostError`` when one is missing."""
+        return [self._lookup(name) for name in self.names(role)]
+
+    def _lookup(self, name: str) -> ActorHandle:
+        try:
+            return ray.get_actor(name, namespace=self.config.ray_namespace)
+        except ValueError as error:  # no live actor of that name; Ray's words stay in the run log's traceback
+            raise WorkerLostError(f"{self.label(name)} was lost: no live worker of that name") from error
+
+    def label(self, name: str) -> str:
+        """How messages name the actor called ``name``: ``trainer rank 1 (exp-trainer-1)``."""
+        for role in ROLES:
+            names = self.names(role)
+            if name in names:
+                index = names.index(name)
+                kind = {"controller": "the controller", "trainer": f"trainer rank {index}", "rollout": f"rollout worker {index}"}[role]
+                return f"{kind} ({name})"
+        return name
+
+    def lost(self) -> list[str]:
+        """The names of this run's workers that no longer run."""
+        return [name for role in self.roles for name in self.names(role) if not self._named_alive(name)]
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -263,7 +293,10 @@ class RunWorkers:
 
     def sync_weights(self, policy_version: int) -> str:
         """The trainer's weights into every rollout worker; returns the transport used."""
-        return push_weights(self.config, self.actors("trainer"), self.actors("rollout"), policy_version)
+        try:
+            return push_weights(self.config, self.actors("trainer"), self.actors("rollout"), policy_version)
+        except (RayTaskError, RayActorError) as error:
+            raise worker_error(error, self) from error
 
     def pids(self) -> dict[Role, int]:
         """The process of each live worker (the first of each role; tests compare them across runs)."""

@@ -11,9 +11,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from engine.config import TrellisConfig
+from engine.errors import SettingError
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingError):
     """A configuration that cannot be used; the message lists every problem found."""
 
 

@@ -18,6 +18,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from engine.config import DatasetConfig
+from engine.errors import SettingError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class SkipReport:
         return f"{self.rows_read} rows read, {self.rows_used} usable, skipped: {parts}"
 
 
-class DatasetError(ValueError):
+class DatasetError(SettingError):
     """The dataset cannot be read at all (missing path, unknown format, no usable rows)."""
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import fsspec
 
 from engine.config import DatasetConfig, TrellisConfig
+from engine.errors import SettingError
 from engine.rollout.rewards import resolve_function
 from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from engine.user_code import UserCodeError, load_attribute, load_function
 
 
-class InputError(ValueError):
+class InputError(SettingError):
     """An input of the run (model, tokenizer, dataset, reward function) cannot be used."""
 
 

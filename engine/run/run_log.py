@@ -4,7 +4,8 @@ rows skipped, failed samples, skipped groups, worker errors, restarts and retrie
 
 Every line is ``TIME LEVEL message``. ``STEP`` lines are the per-step summaries (the console's
 progress bar shows the same); ``INFO``, ``WARNING`` and ``ERROR`` lines are also what the console
-prints beside the bar. The file is read back through fsspec, so it works on object storage too,
+prints beside the bar. A failure is one ``ERROR`` line (what failed, why, what happens next) followed
+by its full traceback, a worker's included, as ``TRACE`` lines that the console does not show. The file is read back through fsspec, so it works on object storage too,
 where it is rewritten whole (a few hundred bytes a step) because objects cannot be appended to.
 """
 
@@ -13,15 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from typing import Any, Mapping
 
 import fsspec
 
+from engine.errors import describe_failure
 from engine.secrets import redact
-from engine.storage.checkpoints import is_local
+from engine.storage.checkpoints import SaveStore, is_local
 
 FILE_NAME = "run.log"
 CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")
+TRACE = "TRACE"
 
 
 def run_log_uri(log_dir: str) -> str:
@@ -80,14 +84,22 @@ def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
         return None
 
 
-def console_lines(text: str) -> list[str]:
-    """The lines of a run log the console shows beside its progress bar (not the step summaries)."""
-    shown = []
+def _entries(text: str, levels: tuple[str, ...]) -> list[tuple[str, str]]:
+    entries = []
     for line in text.splitlines():
         parts = line.split(" ", 3)
-        if len(parts) == 4 and parts[2] in CONSOLE_LEVELS:
-            shown.append(f"{parts[2].lower()}: {parts[3]}" if parts[2] != "INFO" else parts[3])
-    return shown
+        if len(parts) == 4 and parts[2] in levels:
+            entries.append((parts[2], parts[3]))
+    return entries
+
+
+def console_lines(text: str) -> list[str]:
+    """The lines of a run log the console shows beside its progress bar (not the step summaries)."""
+    return [message if level == "INFO" else f"{level.lower()}: {message}" for level, message in _entries(text, CONSOLE_LEVELS)]
+
+
+def error_lines(text: str) -> list[str]:
+    return [message for _, message in _entries(text, ("ERROR",))]
 
 
 def step_summary(step: int, total: int, metrics: Mapping[str, float]) -> str:
@@ -175,3 +187,27 @@ def record_step(config, step: int, metrics: Mapping[str, float]) -> None:
     log.step(step_summary(step, log.total_steps or config.total_train_steps or 0, metrics))
     for warning in step_warnings(step, metrics):
         log.warning(warning)
+
+
+def record_failure(config, error: BaseException, *, during: str, next_move: str) -> None:
+    """``during`` (``step 12``) failed: one ``ERROR`` line with the cause and ``next_move``, then the
+    traceback as ``TRACE`` lines (secrets masked, as on every line)."""
+    log, cause = run_log_for(config), describe_failure(error)
+    then = f" {next_move[:1].upper()}{next_move[1:]}" if cause.endswith(".") else f"; {next_move}"
+    log.error(f"{during} failed: {cause}{then}")
+    log.write(TRACE, "".join(traceback.format_exception(error)).rstrip("\n"))
+
+
+def after_failure(config, *, started: bool, attempt: int, retries: int, setting: bool) -> str:
+    """What follows a failed attempt of the run: a retry (the retry of an attempt that got past its
+    start resumes from the latest complete checkpoint, ``engine.run.resume``) or the end of the run."""
+    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    checkpoint = f"the step-{latest[0]} checkpoint" if latest else None
+    if setting:
+        return "the run ends: change that setting (a setting error is not retried)"
+    if attempt > retries:
+        spent = f"its {retries} {'retry is' if retries == 1 else 'retries are'} spent" if retries else "cluster.flow_retries is 0"
+        resumable = f"; resume from {checkpoint} with --resume" if checkpoint else ""
+        return f"the run ends: {spent}{resumable}"
+    where = "" if not started else f" from {checkpoint}" if checkpoint else " from where it started (no checkpoint yet)"
+    return f"retrying{where} (attempt {attempt + 1} of {retries + 1})"

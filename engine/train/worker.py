@@ -26,6 +26,7 @@ from engine.compat import enable_activation_checkpointing
 from engine.config import TrainWorkerConfig, TrellisConfig
 from engine.data.prepare import PreparedBatch, TrainSequence
 from engine.devices import resolve_device
+from engine.errors import SettingError
 from engine.rng import capture_rng, restore_rng
 from engine.storage.checkpoints import (
     CheckpointError,
@@ -93,7 +94,7 @@ class TrainingWorker:
         output_head(self.model)  # refuses models whose logits are not head(hidden state)
         self._layout = choose_layout(worker, self._device)
         if worker.attention_kernel == "fa4" and (reason := fa4_unavailable(self._device)) is not None:
-            raise ValueError(f"train_worker.attention_kernel: fa4 cannot run here: {reason}. Use attention_kernel: torch.")
+            raise SettingError(f"train_worker.attention_kernel: fa4 cannot run here: {reason}. Use attention_kernel: torch.")
         if self._layout == "packed":
             use_varlen_attention(self.model, worker.attention_kernel)
         if worker.gradient_checkpointing:
