@@ -22,6 +22,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
 from engine.cluster.workers import RunWorkers
+from engine.errors import WorkerLostError
 from engine.faults import FAULT_FILE
 from engine.tiny.reverse_task import write_dataset
 from flows.rl_train import rl_train
@@ -34,7 +35,7 @@ def async_config(tiny_model, data, tmp_path, ray_cluster, name, **changes):
     base = dict(
         trainer="disaggregated", replay_buffer={"max_staleness": 1}, experiment_name=name,
         enable_evaluate=False, enable_initial_evaluate=False, checkpoint_interval=2, auto_resume=False,
-        cluster={"address": ray_cluster["address"]}, train_dataset={"path": str(data), "max_prompt_length": 64},
+        cluster=ray_cluster["cluster"], train_dataset={"path": str(data), "max_prompt_length": 64},
     )
     return tiny_config(tiny_model, {"train": data, "eval": data}, tmp_path, **{**base, **changes})
 
@@ -115,7 +116,7 @@ def test_a_worker_killed_mid_run_loses_no_prompt_and_trains_none_twice(tiny_mode
     if point == "scoring":
         changes["reward"] = {"function": "fault_rewards:kill_once"}
     config = async_config(tiny_model, data, tmp_path, ray_cluster, name, total_train_steps=8, **changes,
-                          cluster={"address": ray_cluster["address"], "flow_retries": 2, "release_workers_at_end": False,
+                          cluster={**ray_cluster["cluster"], "flow_retries": 2, "release_workers_at_end": False,
                                    "runtime_env": {"env_vars": {FAULT_FILE: str(fault_file)}}})
     workers = RunWorkers(config)
     workers.attach()
@@ -172,9 +173,11 @@ def test_a_flow_process_killed_three_times_resumes_without_losing_a_prompt(tiny_
 
 
 def test_a_rollout_worker_that_dies_on_every_restart_ends_the_run_with_its_cause(tiny_model, tmp_path, ray_cluster, prefect_api):
+    """Tried: the rollout worker SIGKILLed again every time it is replaced. The run ends with the lost
+    worker named (not a timeout, and not any other failure)."""
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
     config = async_config(tiny_model, data, tmp_path, ray_cluster, "doomed", total_train_steps=8,
-                          cluster={"address": ray_cluster["address"], "flow_retries": 0, "ray_get_timeout_s": 60})
+                          cluster={**ray_cluster["cluster"], "flow_retries": 0, "ray_get_timeout_s": 60})
     workers, stop, killed = RunWorkers(config), threading.Event(), []
 
     def keep_killing() -> None:
@@ -187,14 +190,14 @@ def test_a_rollout_worker_that_dies_on_every_restart_ends_the_run_with_its_cause
                 pass
             time.sleep(0.1)
 
-    started = time.monotonic()
     threading.Thread(target=keep_killing, daemon=True).start()
     try:
-        with pytest.raises(Exception, match="(?i)rollout|actor died|ActorDied"):
+        with pytest.raises(WorkerLostError, match=r"rollout worker 0 \(doomed-rollout\)") as failure:
             rl_train(config)
     finally:
         stop.set()
-    assert time.monotonic() - started < 240 and len(killed) >= 2
+    assert len(killed) >= 2, killed  # it was replaced at least once before the run gave up
+    assert "within" not in str(failure.value)  # it ended on the loss, not on a timeout
     workers.release()
 
 
@@ -205,7 +208,7 @@ def test_a_reward_module_the_workers_cannot_import_ends_the_run_with_its_cause(t
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
     config = async_config(tiny_model, data, tmp_path, ray_cluster, "no_judge", total_train_steps=4,
                           reward={"function": "worker_only_reward:score"},
-                          cluster={"address": ray_cluster["address"], "flow_retries": 0, "ray_get_timeout_s": 900})
+                          cluster={**ray_cluster["cluster"], "flow_retries": 0, "ray_get_timeout_s": 900})
     started = time.monotonic()
     with pytest.raises(Exception, match="judge_sdk") as failure:
         rl_train(config)
