@@ -34,6 +34,7 @@ def test_fifty_grpo_steps_lift_held_out_greedy_accuracy(tiny_model, reverse_data
     for key in ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/step",
                 "throughput/effective_tgs", "throughput/rollout_tgs", "entropy/train", "mismatch/k3_kl"):
         assert key in last
+    assert 0 < last["time/rollout"] <= last["time/step"]  # the batch's own generation and scoring
 
 
 def test_two_seeded_deterministic_runs_are_identical(tiny_model, reverse_data, tmp_path):

@@ -107,6 +107,9 @@ def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tup
         metrics["entropy/train"] = fit_metrics["entropy"]
     metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
     metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/", "agent/"))})
+    # The rollout's own wall time (generating and scoring), also when it ran before the step that trained
+    # it (launched early, or by the asynchronous producer): time/produce_batch only counts the wait for it.
+    metrics["time/rollout"] = produce["produce_time_s"]
     metrics["rollout/failed_samples"] = produce["failed_samples"]
     metrics["rollout/policy_version"] = produce["policy_version"]
     metrics.update(
