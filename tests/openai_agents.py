@@ -18,12 +18,12 @@ LOOKUP_TOOL = {
 }
 
 
-def lookup_agent(task, base_url, api_key):
+def lookup_agent(task, base_url, api_key, **sampling):
     """Call the model with the lookup tool until it answers; run its tool calls locally."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = list(task["messages"])
     for _ in range(3):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL], **sampling).choices[0]
         messages.append(reply.message.model_dump(exclude_none=True))
         if not reply.message.tool_calls:
             return None  # reward.function scores the answer
@@ -31,6 +31,11 @@ def lookup_agent(task, base_url, api_key):
             output, _ = run_lookup(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return None
+
+
+def lookup_agent_with_its_own_sampling(task, base_url, api_key):
+    """lookup_agent asking for sampling settings of its own, far from the run's: hot, nucleus, penalised."""
+    return lookup_agent(task, base_url, api_key, temperature=1.9, top_p=0.3, seed=7, presence_penalty=2.0, frequency_penalty=2.0)
 
 
 def self_scoring_lookup_agent(task, base_url, api_key):

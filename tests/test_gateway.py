@@ -4,9 +4,14 @@ token, as the built-in tool loop makes them; bad agents end their sessions with 
 trains through the Prefect flow on Ray with the agent's own reward."""
 
 import json
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
+import httpx
+import openai
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,6 +23,8 @@ from engine.data.prepare import IGNORE, build_sequence
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.agent_loops import build_agent_loop
 from engine.rollout.base import SamplingParams
+from engine.rollout.chat_session import ChatSession
+from engine.rollout.gateway import Gateway
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.tiny import lookup_task
 from flows.rl_train import rl_train
@@ -77,6 +84,93 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
     assert labelled.sum() == sum(session.response_mask)
     # Greedy rollout logprobs are of the raw logits, as the trainer's at temperature 1.
     assert (recomputed[labelled] - torch.tensor(sequence.rollout_logprobs)[labelled]).abs().max() < 2e-4
+
+
+def test_a_requests_own_sampling_settings_are_ignored(lookup):
+    """The run samples greedily; an agent asks for temperature 1.9, top_p 0.3, a seed and penalties on
+    every call. Its sessions are, token for token and logprob for logprob, those of an agent that asks
+    for nothing: the trainer's logprobs must be of the distribution the run sampled from."""
+    plain, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent")
+    asking, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent_with_its_own_sampling")
+    assert all(sample.agent["stop_reason"] == "answer" for sample in plain + asking)
+    assert [s.response_ids for s in asking] == [s.response_ids for s in plain]
+    assert [s.logprobs for s in asking] == [s.logprobs for s in plain]
+
+
+@pytest.fixture
+def two_sessions(lookup):
+    """The real gateway, serving the tiny lookup model greedily, with two sessions open."""
+    tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
+    gateway = Gateway(tokenizer, batch_window_s=0.02)
+    first, second = (ChatSession(sample, tokenizer, budget=40, max_prompt_tokens=64) for sample in lookup_samples(tokenizer, 2))
+    try:
+        with gateway.serving(TransformersRollout(str(lookup["model"]), tokenizer), GREEDY):
+            gateway.open(first)
+            gateway.open(second)
+            yield gateway, first, second
+    finally:
+        gateway.close()
+
+
+def client_of(gateway: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
+
+
+def test_streaming_and_several_choices_are_refused_and_the_session_goes_on(two_sessions):
+    """Tried with the openai client: stream=True and n=2 each get HTTP 400 saying what is not
+    supported; neither touches the session, whose next plain call is served and recorded."""
+    gateway, session, _ = two_sessions
+    client, messages = client_of(gateway, session.token), session.sample.messages
+    with pytest.raises(openai.BadRequestError, match="stream=true is not supported: this endpoint answers each call whole"):
+        client.chat.completions.create(model="policy", messages=messages, stream=True)
+    with pytest.raises(openai.BadRequestError, match=r"n=2 is not supported: this endpoint makes one choice per call \(n=1\)"):
+        client.chat.completions.create(model="policy", messages=messages, n=2)
+    assert session.sample.agent["calls"] == [] and session.sample.response_ids == []
+
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    assert len(session.sample.agent["calls"]) == 1
+    assert reply.usage.completion_tokens == len(session.sample.response_ids) > 0
+
+
+def test_one_sessions_key_reaches_that_session_alone(two_sessions):
+    """Tried: session A's key sending session B's own conversation (it lands in A, B stays empty);
+    B's first call then starts from B's prompt alone (nothing of A's in it); B's key once B is closed,
+    a made-up key and no key at all are refused with 401."""
+    gateway, a, b = two_sessions
+    assert a.token != b.token and len(a.token) >= 24
+    b_messages, b_prompt_ids = list(b.sample.messages), list(b.sample.prompt_ids)
+
+    as_a = client_of(gateway, a.token).chat.completions.create(model="policy", messages=b_messages)
+    assert len(a.sample.agent["calls"]) == 1 and a.sample.prompt_ids == b_prompt_ids
+    assert b.sample.agent["calls"] == [] and b.sample.response_ids == [] and b.sample.prompt_ids == b_prompt_ids
+
+    as_b = client_of(gateway, b.token).chat.completions.create(model="policy", messages=b_messages)
+    assert as_b.usage.prompt_tokens == len(b_prompt_ids)  # not A's prompt and reply
+    assert b.sample.response_ids == a.sample.response_ids and as_b.choices[0].message.content == as_a.choices[0].message.content
+    assert len(a.sample.agent["calls"]) == 1 and len(b.sample.agent["calls"]) == 1
+
+    gateway.close_session(b)
+    for key in (b.token, "sess-" + "x" * 24):
+        with pytest.raises(openai.AuthenticationError, match="unknown or expired session key"):
+            client_of(gateway, key).chat.completions.create(model="policy", messages=b_messages)
+    keyless = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": "policy", "messages": b_messages}, timeout=60)
+    assert keyless.status_code == 401
+    assert len(b.sample.agent["calls"]) == 1 and len(a.sample.agent["calls"]) == 1
+
+
+def test_the_gateway_listens_on_loopback_only(two_sessions):
+    """Tried: the listening socket behind base_url (127.0.0.1, nothing else on its port), and a TCP
+    connection to that port on each of this machine's other addresses (refused)."""
+    gateway, _, _ = two_sessions
+    url = urlparse(gateway.base_url)
+    assert url.hostname == "127.0.0.1"
+    listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == url.port]
+    assert listening == ["127.0.0.1"]
+    assert httpx.get(f"{gateway.base_url}/models", timeout=60).status_code == 200
+    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for address in others:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, url.port), timeout=10).close()
 
 
 @pytest.mark.parametrize(
