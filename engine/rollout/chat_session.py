@@ -60,11 +60,7 @@ class ChatSession:
         if not self.recording:
             return self._render(messages, tools, generation_prompt=True), self.budget
         self._messages = list(messages)
-        left = self.budget - len(self.sample.response_ids)
-        if left <= 0:
-            self.end("token_budget", finish_reason="length")
-            raise SessionEnded("session ended: token_budget (the new messages fill the session's token budget)")
-        return self.sample.prompt_ids + self.sample.response_ids, left
+        return self.sample.prompt_ids + self.sample.response_ids, self.budget - len(self.sample.response_ids)
 
     def record(
         self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict, budget_spent: bool
@@ -123,7 +119,8 @@ class ChatSession:
         return given.get("role") == "assistant" and (given.get("content") or "").strip() == (returned.get("content") or "").strip()
 
     def _append_context(self, messages: list[dict[str, Any]]) -> None:
-        """Tokenise the messages after the assistant reply, and the template's text closing that reply."""
+        """Tokenise the messages after the assistant reply, and the template's text closing that reply;
+        raise ``SessionEnded`` where they leave no room in the budget for the model's next reply."""
         before = self._render_text(messages[: len(self._messages)], self._tools, generation_prompt=False)
         after = self._render_text(messages, self._tools, generation_prompt=True)
         if not after.startswith(before):
@@ -136,6 +133,14 @@ class ChatSession:
         self._record_tool_outputs(messages[len(self._messages):])
         text = closing + after[len(before):]
         ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= self.budget - len(self.sample.response_ids):
+            # As in the tool loop: messages that leave the model no token of the budget end the session
+            # without them, so the trained sequence never outgrows rollout.max_new_tokens.
+            self.end("token_budget", finish_reason="length")
+            raise SessionEnded(
+                f"session ended: token_budget (the new messages take {len(ids)} tokens; "
+                f"{self.budget - len(self.sample.response_ids)} are left of the session's {self.budget})"
+            )
         append_turn(self.sample, ids, [0.0] * len(ids), 0, self.sample.response_versions[-1], {"role": "context", "text": text})
 
     def _record_tool_outputs(self, new_messages: list[dict[str, Any]]) -> None:
