@@ -5,6 +5,7 @@ trains through the Prefect flow on Ray with the agent's own reward."""
 
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -175,6 +176,29 @@ def test_the_gateway_listens_on_loopback_only(two_sessions):
             socket.create_connection((address, url.port), timeout=10).close()
 
 
+class SlowRollout(TransformersRollout):
+    """The real backend, 3 s slower per generate call, as a loaded machine or long generations make it."""
+
+    def generate(self, prompts, params, limits=None):
+        time.sleep(3)
+        return super().generate(prompts, params, limits)
+
+
+def test_the_time_a_session_waits_for_the_model_is_not_on_its_agents_clock(lookup):
+    """A 2 s session timeout, and a model that takes 3 s for each of the two calls of every session: the
+    batch takes over 6 s, yet no agent ran 2 s of its own, so every session ends with its answer."""
+    tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
+    loop = build_agent_loop(AgentConfig(loop="openai", entrypoint="openai_agents:lookup_agent", session_timeout_s=2), tokenizer, 64)
+    samples = lookup_samples(tokenizer, 4)
+    started = time.monotonic()
+    try:
+        loop.run(samples, SlowRollout(str(lookup["model"]), tokenizer), GREEDY)
+    finally:
+        loop.close()
+    assert [(s.agent["stop_reason"], len(s.agent["calls"])) for s in samples] == [("answer", 2)] * 4
+    assert time.monotonic() - started > 6
+
+
 @pytest.mark.parametrize(
     "agent, stop_reason, status, error",
     [
@@ -191,8 +215,15 @@ def test_the_gateway_listens_on_loopback_only(two_sessions):
     ],
 )
 def test_a_bad_agent_ends_its_session_with_a_reason_and_the_batch_goes_on(lookup, agent, stop_reason, status, error):
+    """Each bad agent ends all four of its sessions with its reason and error, and the batch returns.
+    A hung agent (sleeps_forever: an hour) does not hold the batch: it returns while the four agent
+    threads still sleep, after giving each session its 3 s of the agent's own time (the time its calls
+    wait for the model not counted, so a loaded machine cannot time out a session that is not hung)."""
+    before = set(threading.enumerate())
     samples, seconds = run_loop(lookup["model"], count=4, loop="openai", entrypoint=f"openai_agents:{agent}", session_timeout_s=3)
-    assert seconds < 15, "a hung agent costs the batch its session timeout, not more"
+    if stop_reason == "timeout":
+        still_sleeping = [thread for thread in threading.enumerate() if thread.name == "agent" and thread not in before]
+        assert len(still_sleeping) == 4 and seconds >= 3
     for sample in samples:
         assert sample.agent["stop_reason"] == stop_reason and sample.status == status
         if error is not None:

@@ -14,10 +14,12 @@ from a fresh rendering, but the session's trained sequence ends before it: ``sto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.agent_loops import append_turn, start_session
@@ -37,7 +39,39 @@ class ChatSession:
         self.recording = True  # False once the trained sequence has ended; calls are still served
         self.closed = False  # the sample is handed on: nothing touches it any more
         self._lock = threading.Lock()  # calls arrive on the server's thread, the end on the loop's
+        self._opened_at = time.monotonic()
+        self._served_s = 0.0  # time its calls spent being served (the union of their spans): not the agent's
+        self._calls_in_flight = 0
+        self._serving_since = 0.0  # when the calls now in flight began being served
         start_session(sample, "openai", calls=[])
+
+    def agent_seconds(self) -> float:
+        """The agent's own time since the session opened: the time its calls spent waiting for the
+        policy does not count, since it grows with the batch, the backend and the machine's load,
+        none of which the agent controls (``agent.session_timeout_s`` bounds this)."""
+        with self._lock:
+            now = time.monotonic()
+            waiting = self._served_s + (now - self._serving_since if self._calls_in_flight else 0.0)
+            return now - self._opened_at - waiting
+
+    @contextlib.contextmanager
+    def served(self) -> Iterator[None]:
+        """Around a call that the policy serves for the trained sequence; calls made after it ended
+        (history rewritten, say) are the agent's own business and stay on its clock."""
+        with self._lock:
+            counted = self.recording and not self.closed
+            if counted:
+                if self._calls_in_flight == 0:
+                    self._serving_since = time.monotonic()
+                self._calls_in_flight += 1
+        try:
+            yield
+        finally:
+            if counted:
+                with self._lock:
+                    self._calls_in_flight -= 1
+                    if self._calls_in_flight == 0:
+                        self._served_s += time.monotonic() - self._serving_since
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
         """The ids to generate from and how many new tokens the session's budget still allows."""

@@ -93,6 +93,10 @@ class Gateway:
             session = self._sessions.get(token)
         if session is None:
             return _error(401, "unknown or expired session key: use the api_key your agent was given for this session")
+        with session.served():
+            return await self._serve_call(session, request)
+
+    async def _serve_call(self, session: ChatSession, request: ChatRequest):
         if request.stream:
             return _error(400, "stream=true is not supported: this endpoint answers each call whole; call it without stream")
         if request.n != 1:
