@@ -18,12 +18,12 @@ LOOKUP_TOOL = {
 }
 
 
-def lookup_agent(task, base_url, api_key):
+def lookup_agent(task, base_url, api_key, **sampling):
     """Call the model with the lookup tool until it answers; run its tool calls locally."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = list(task["messages"])
     for _ in range(3):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL], **sampling).choices[0]
         messages.append(reply.message.model_dump(exclude_none=True))
         if not reply.message.tool_calls:
             return None  # reward.function scores the answer
@@ -33,12 +33,22 @@ def lookup_agent(task, base_url, api_key):
     return None
 
 
+def lookup_agent_with_its_own_sampling(task, base_url, api_key):
+    """lookup_agent asking for sampling settings of its own, far from the run's: hot, nucleus, penalised."""
+    return lookup_agent(task, base_url, api_key, temperature=1.9, top_p=0.3, seed=7, presence_penalty=2.0, frequency_penalty=2.0)
+
+
 def self_scoring_lookup_agent(task, base_url, api_key):
-    """As lookup_agent, reporting its own reward: 1.0 for the value of the prompt's key."""
+    """As lookup_agent, reporting its own reward: 1.0 for the value of the prompt's key. A session
+    whose token budget is spent before the model answers (HTTP 409, a tool output too long for what
+    is left of it, say) has no answer: 0.0."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages, looked_up = list(task["messages"]), False
     for _ in range(3):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL]).choices[0]
+        except openai.ConflictError:
+            return 0.0
         messages.append(reply.message.model_dump(exclude_none=True))
         if not reply.message.tool_calls:
             return float(looked_up and (reply.message.content or "").strip() == task["label"])
@@ -80,6 +90,16 @@ def returns_garbage(task, base_url, api_key):
 
 def wrong_key(task, base_url, api_key):
     openai.OpenAI(base_url=base_url, api_key="sk-not-a-session", max_retries=0).chat.completions.create(model="p", messages=task["messages"])
+
+
+def sends_back_a_long_tool_output(task, base_url, api_key):
+    """Runs the model's first tool call and sends back an output longer than what is left of the
+    session's token budget."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(task["messages"])
+    reply = client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP_TOOL]).choices[0].message
+    messages += [reply.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "output " * 60}]
+    client.chat.completions.create(model="p", messages=messages, tools=[LOOKUP_TOOL])
 
 
 def talks_past_its_budget(task, base_url, api_key):

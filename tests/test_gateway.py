@@ -4,9 +4,15 @@ token, as the built-in tool loop makes them; bad agents end their sessions with 
 trains through the Prefect flow on Ray with the agent's own reward."""
 
 import json
+import socket
+import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
+import httpx
+import openai
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -18,6 +24,8 @@ from engine.data.prepare import IGNORE, build_sequence
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.agent_loops import build_agent_loop
 from engine.rollout.base import SamplingParams
+from engine.rollout.chat_session import ChatSession
+from engine.rollout.gateway import Gateway
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.tiny import lookup_task
 from flows.rl_train import rl_train
@@ -79,6 +87,118 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
     assert (recomputed[labelled] - torch.tensor(sequence.rollout_logprobs)[labelled]).abs().max() < 2e-4
 
 
+def test_a_requests_own_sampling_settings_are_ignored(lookup):
+    """The run samples greedily; an agent asks for temperature 1.9, top_p 0.3, a seed and penalties on
+    every call. Its sessions are, token for token and logprob for logprob (to float precision), those
+    of an agent that asks for nothing: the trainer's logprobs must be of the distribution the run sampled
+    from."""
+    plain, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent")
+    asking, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent_with_its_own_sampling")
+    assert all(sample.agent["stop_reason"] == "answer" for sample in plain + asking)
+    assert [s.response_ids for s in asking] == [s.response_ids for s in plain]
+    for ours, theirs in zip(asking, plain):  # batched differently, so equal to float precision only
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
+@pytest.fixture
+def two_sessions(lookup):
+    """The real gateway, serving the tiny lookup model greedily, with two sessions open."""
+    tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
+    gateway = Gateway(tokenizer, batch_window_s=0.02)
+    first, second = (ChatSession(sample, tokenizer, budget=40, max_prompt_tokens=64) for sample in lookup_samples(tokenizer, 2))
+    try:
+        with gateway.serving(TransformersRollout(str(lookup["model"]), tokenizer), GREEDY):
+            gateway.open(first)
+            gateway.open(second)
+            yield gateway, first, second
+    finally:
+        gateway.close()
+
+
+def client_of(gateway: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
+
+
+def test_streaming_and_several_choices_are_refused_and_the_session_goes_on(two_sessions):
+    """Tried with the openai client: stream=True and n=2 each get HTTP 400 saying what is not
+    supported; neither touches the session, whose next plain call is served and recorded."""
+    gateway, session, _ = two_sessions
+    client, messages = client_of(gateway, session.token), session.sample.messages
+    with pytest.raises(openai.BadRequestError, match="stream=true is not supported: this endpoint answers each call whole"):
+        client.chat.completions.create(model="policy", messages=messages, stream=True)
+    with pytest.raises(openai.BadRequestError, match=r"n=2 is not supported: this endpoint makes one choice per call \(n=1\)"):
+        client.chat.completions.create(model="policy", messages=messages, n=2)
+    assert session.sample.agent["calls"] == [] and session.sample.response_ids == []
+
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    assert len(session.sample.agent["calls"]) == 1
+    assert reply.usage.completion_tokens == len(session.sample.response_ids) > 0
+
+
+def test_one_sessions_key_reaches_that_session_alone(two_sessions):
+    """Tried: session A's key sending session B's own conversation (it lands in A, B stays empty);
+    B's first call then starts from B's prompt alone (nothing of A's in it); B's key once B is closed,
+    a made-up key and no key at all are refused with 401."""
+    gateway, a, b = two_sessions
+    assert a.token != b.token and len(a.token) >= 24
+    b_messages, b_prompt_ids = list(b.sample.messages), list(b.sample.prompt_ids)
+
+    as_a = client_of(gateway, a.token).chat.completions.create(model="policy", messages=b_messages)
+    assert len(a.sample.agent["calls"]) == 1 and a.sample.prompt_ids == b_prompt_ids
+    assert b.sample.agent["calls"] == [] and b.sample.response_ids == [] and b.sample.prompt_ids == b_prompt_ids
+
+    as_b = client_of(gateway, b.token).chat.completions.create(model="policy", messages=b_messages)
+    assert as_b.usage.prompt_tokens == len(b_prompt_ids)  # not A's prompt and reply
+    assert b.sample.response_ids == a.sample.response_ids and as_b.choices[0].message.content == as_a.choices[0].message.content
+    assert len(a.sample.agent["calls"]) == 1 and len(b.sample.agent["calls"]) == 1
+
+    gateway.close_session(b)
+    for key in (b.token, "sess-" + "x" * 24):
+        with pytest.raises(openai.AuthenticationError, match="unknown or expired session key"):
+            client_of(gateway, key).chat.completions.create(model="policy", messages=b_messages)
+    keyless = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": "policy", "messages": b_messages}, timeout=60)
+    assert keyless.status_code == 401
+    assert len(b.sample.agent["calls"]) == 1 and len(a.sample.agent["calls"]) == 1
+
+
+def test_the_gateway_listens_on_loopback_only(two_sessions):
+    """Tried: the listening socket behind base_url (127.0.0.1, nothing else on its port), and a TCP
+    connection to that port on each of this machine's other addresses (refused)."""
+    gateway, _, _ = two_sessions
+    url = urlparse(gateway.base_url)
+    assert url.hostname == "127.0.0.1"
+    listening = [c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == url.port]
+    assert listening == ["127.0.0.1"]
+    assert httpx.get(f"{gateway.base_url}/models", timeout=60).status_code == 200
+    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    for address in others:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, url.port), timeout=10).close()
+
+
+class SlowRollout(TransformersRollout):
+    """The real backend, 3 s slower per generate call, as a loaded machine or long generations make it."""
+
+    def generate(self, prompts, params, limits=None):
+        time.sleep(3)
+        return super().generate(prompts, params, limits)
+
+
+def test_the_time_a_session_waits_for_the_model_is_not_on_its_agents_clock(lookup):
+    """A 2 s session timeout, and a model that takes 3 s for each of the two calls of every session: the
+    batch takes over 6 s, yet no agent ran 2 s of its own, so every session ends with its answer."""
+    tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
+    loop = build_agent_loop(AgentConfig(loop="openai", entrypoint="openai_agents:lookup_agent", session_timeout_s=2), tokenizer, 64)
+    samples = lookup_samples(tokenizer, 4)
+    started = time.monotonic()
+    try:
+        loop.run(samples, SlowRollout(str(lookup["model"]), tokenizer), GREEDY)
+    finally:
+        loop.close()
+    assert [(s.agent["stop_reason"], len(s.agent["calls"])) for s in samples] == [("answer", 2)] * 4
+    assert time.monotonic() - started > 6
+
+
 @pytest.mark.parametrize(
     "agent, stop_reason, status, error",
     [
@@ -88,19 +208,27 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
         ("returns_nan", "agent_error", Status.COMPLETED, "the agent returned float nan"),
         ("wrong_key", "agent_error", Status.FAILED, "unknown or expired session key"),
         ("talks_past_its_budget", "token_budget", Status.COMPLETED, "session ended: token_budget"),
+        ("sends_back_a_long_tool_output", "token_budget", Status.COMPLETED, "409 - session ended: token_budget (the new messages take"),
         ("rewrites_history", "history_rewritten", Status.COMPLETED, None),
         ("sleeps_forever", "timeout", Status.COMPLETED, "ran past agent.session_timeout_s=3"),
         ("long_system_prompt", "prompt_too_long", Status.FAILED, "over the run's max_prompt_length 64"),
     ],
 )
 def test_a_bad_agent_ends_its_session_with_a_reason_and_the_batch_goes_on(lookup, agent, stop_reason, status, error):
+    """Each bad agent ends all four of its sessions with its reason and error, and the batch returns.
+    A hung agent (sleeps_forever: an hour) does not hold the batch: it returns while the four agent
+    threads still sleep, after giving each session its 3 s of the agent's own time (the time its calls
+    wait for the model not counted, so a loaded machine cannot time out a session that is not hung)."""
+    before = set(threading.enumerate())
     samples, seconds = run_loop(lookup["model"], count=4, loop="openai", entrypoint=f"openai_agents:{agent}", session_timeout_s=3)
-    assert seconds < 15, "a hung agent costs the batch its session timeout, not more"
+    if stop_reason == "timeout":
+        still_sleeping = [thread for thread in threading.enumerate() if thread.name == "agent" and thread not in before]
+        assert len(still_sleeping) == 4 and seconds >= 3
     for sample in samples:
         assert sample.agent["stop_reason"] == stop_reason and sample.status == status
         if error is not None:
             assert error in (sample.agent.get("error") or sample.error or "")
-        assert len(sample.response_ids) == len(sample.response_mask) == len(sample.logprobs)
+        assert len(sample.response_ids) == len(sample.response_mask) == len(sample.logprobs) <= GREEDY.max_new_tokens
         if status == Status.COMPLETED:
             assert sample.response_mask[0] == 1  # the first reply, as generated, is kept for training
 
@@ -113,6 +241,35 @@ def test_a_reply_cut_by_the_requests_max_tokens_leaves_the_session_going(lookup)
     # The reply had no end token of its own: the template's closing of it comes as context, untrained.
     assert context["text"].startswith("<|im_end|>\n<|im_start|>user\ngo on")
     assert set(sample.response_mask[context["start"] : context["end"]]) == {0}
+
+
+def test_a_self_scoring_agent_whose_budget_a_tool_output_spends_still_scores_its_session(lookup):
+    """What failed the flow test below once: a sampled key the tool answers with a long error spent the
+    session's budget, the trained sequence outgrew it, and the agent raised on the 409 it got, leaving
+    its session to reward.function. Made certain here with a 12-token budget (the tool call takes 9,
+    the tool's answer more than the 3 left): the session ends at token_budget without that answer, and
+    the agent reports 0.0 itself."""
+    samples, _ = run_loop(
+        lookup["model"], count=4, params=SamplingParams(max_new_tokens=12, temperature=0.0),
+        loop="openai", entrypoint="openai_agents:self_scoring_lookup_agent",
+    )
+    for sample in samples:
+        assert sample.agent["stop_reason"] == "token_budget" and sample.agent["reward"] == 0.0 and "error" not in sample.agent
+        assert [turn["role"] for turn in sample.agent["turns"]] == ["assistant"] and 0 < len(sample.response_ids) <= 12
+        assert sample.agent["tool_calls"][0]["output"] is not None  # the tool ran; its answer did not fit
+
+
+def failures(rows: list[dict]) -> list[dict]:
+    """Why each failed sample failed, as the lake keeps it: its error and how its session ended."""
+    described = []
+    for row in rows:
+        if row["status"] == "failed":
+            agent = json.loads(row["agent"])
+            described.append({
+                "rollout_id": row["rollout_id"], "error_msg": row["error_msg"], "stop_reason": agent["stop_reason"],
+                "agent_error": agent.get("error"), "calls": agent["calls"],
+            })
+    return described
 
 
 def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp_path, ray_cluster, prefect_api):
@@ -130,8 +287,8 @@ def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp
     rl_train(config)
 
     metrics, rows = logged_metrics(config), lake_rows(config)
-    failed = [(row["status"], row["error"], row["agent"]) for row in rows if row["status"] == "failed"]
-    assert not failed and all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 7)), failed[:3]
+    failed = failures(rows) + failures(lake_rows(config, split="eval"))
+    assert not failed and all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 7)), (len(failed), failed[:3])
     assert metrics[6]["eval/accuracy"] > metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[6]["eval/accuracy"])
     assert len(rows) == 6 * 128
     assert all(json.loads(row["reward_payload"]) == {"from": "agent"} for row in rows)

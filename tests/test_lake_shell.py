@@ -1,17 +1,25 @@
 """`trellis runs ls`, `trellis trajectories query` and `trellis trajectories show` on one real in-process
 run, locally and copied into an S3 bucket (moto): the answers match the files, and what a new user
-mistypes ends in one clear line and exit code 2."""
+mistypes ends in one clear line and exit code 2. `trellis trajectories` and `trellis report` also run as
+the installed executable, in a process of their own: what goes wrong only at the interpreter's exit
+(an arrow abort, apache/arrow#34314) shows there and not in typer's in-process runner."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
+from matplotlib.image import imread
 from typer.testing import CliRunner
 
 from deployments.cli_lake import runs_app, trajectories_app
@@ -22,6 +30,8 @@ from helpers import moto_s3_server, tiny_config
 
 RUN = "lake"
 BUCKET = "lake-shell"
+TRELLIS = str(Path(sys.executable).with_name("trellis"))
+REPORT_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch"}  # a colocated run's
 REWARDS_PER_STEP = "SELECT step, avg(reward) AS reward FROM trajectories WHERE split='train' GROUP BY step ORDER BY step"
 
 app = typer.Typer()
@@ -192,3 +202,71 @@ def test_on_s3_the_commands_answer_as_they_do_locally(work_dir, s3_work_dir):
 
     missing = trellis("trajectories", "show", f"{s3_root}/{RUN}", "--step", "9", *storage)
     assert missing.exit_code == 2 and "stored train steps: 1-2" in missing.stderr
+
+
+def installed_trellis(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The `trellis` executable beside this Python, run as a user runs it, from a folder of its own."""
+    return subprocess.run([TRELLIS, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def assert_clean_exit(result: subprocess.CompletedProcess) -> None:
+    # An abort at exit is a negative return code (SIGABRT) even after every line was printed.
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr and "Aborted" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_installed_trellis_trajectories_query_and_show_answer_and_exit_cleanly(work_dir, tmp_path):
+    """Tried as the executable: a JSON query over both splits (its answer against pyarrow's reading of
+    the parts), the same query as a table, and `show` of a step (each stored response with its reward)."""
+    sql = "SELECT split, step, count(*) AS n, avg(reward) AS reward FROM trajectories GROUP BY ALL ORDER BY split, step"
+    answered = installed_trellis("trajectories", "query", RUN, sql, "--work-dir", str(work_dir), "--format", "json", cwd=tmp_path)
+    assert_clean_exit(answered)
+    expected = []
+    for split, step in [("eval", 0), ("eval", 2), ("train", 1), ("train", 2)]:
+        rewards = [row["reward"] for row in part(work_dir, split, step)]
+        expected.append({"split": split, "step": step, "n": len(rewards), "reward": pytest.approx(sum(rewards) / len(rewards), rel=1e-12)})
+    assert json.loads(answered.stdout) == expected
+
+    table = installed_trellis("trajectories", "query", str(work_dir / RUN), sql, cwd=tmp_path)
+    assert_clean_exit(table)
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["split", "step", "n", "reward"] and lines[-1] == "(4 rows)"
+    assert [line.split()[:3] for line in lines[1:-1]] == [[row["split"], str(row["step"]), str(row["n"])] for row in expected]
+
+    shown = installed_trellis("trajectories", "show", RUN, "--step", "2", "--limit", "0", "--work-dir", str(work_dir), cwd=tmp_path)
+    assert_clean_exit(shown)
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"{RUN} · train step 2 · 4 prompts"
+    for row in part(work_dir, "train", 2):
+        assert f"{row['reward']:6.2f}  {row['response']}" in lines
+        assert f"  prompt: {row['prompt'][0]['content']}" in lines
+
+
+def test_the_installed_trellis_report_writes_the_page_and_a_plot_per_panel(work_dir, tmp_path):
+    """Tried as the executable: `trellis report RUN --out DIR` exits 0, prints the page and one line per
+    panel, and writes exactly those files: real PNGs with something drawn, each embedded in the page."""
+    out = tmp_path / "report"
+    result = installed_trellis("report", RUN, "--work-dir", str(work_dir), "--out", str(out), cwd=tmp_path)
+    assert_clean_exit(result)
+    head, *panel_lines = result.stdout.splitlines()
+    assert head == f"report: {out}/index.html"
+    printed = dict(line.strip().split(": ", 1) for line in panel_lines)
+    assert set(printed) == REPORT_PANELS and all(uri == f"{out}/{panel}.png" for panel, uri in printed.items())
+    assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", *(f"{panel}.png" for panel in REPORT_PANELS)])
+
+    page = (out / "index.html").read_text()
+    assert RUN in page
+    for panel in REPORT_PANELS:
+        png = (out / f"{panel}.png").read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and imread(io.BytesIO(png), format="png").var() > 0, panel
+        assert f'src="data:image/png;base64,{base64.b64encode(png).decode()}"' in page, panel
+
+
+def test_the_installed_trellis_queries_a_run_on_s3_and_exits_cleanly(work_dir, s3_work_dir, tmp_path):
+    """Tried as the executable, through s3fs (its own threads and event loop at exit): the per-step
+    rewards of the run in the bucket, the same as the local run's."""
+    s3_root, endpoint = s3_work_dir
+    on_s3 = installed_trellis("trajectories", "query", RUN, REWARDS_PER_STEP, "--work-dir", s3_root, "-o", f"endpoint_url={endpoint}",
+                              "--format", "json", cwd=tmp_path)
+    assert_clean_exit(on_s3)
+    assert json.loads(on_s3.stdout) == json_rows(trellis("trajectories", "query", RUN, REWARDS_PER_STEP, "--work-dir", str(work_dir), "--format", "json"))

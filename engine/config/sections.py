@@ -90,7 +90,10 @@ class AgentConfig(Frozen):
         "agent(task, base_url=..., api_key=...); it talks to the policy with openai.OpenAI(base_url=base_url, "
         "api_key=api_key) and returns its reward, or None to leave scoring to reward.function.",
     )
-    session_timeout_s: float = Field(120.0, gt=0.0, description="openai loop: an agent still running after this ends its session (timeout).")
+    session_timeout_s: float = Field(
+        120.0, gt=0.0, description="openai loop: an agent that has run this long ends its session (timeout); its own time, "
+        "not counting the time its calls wait for the model (that grows with the batch and the machine's load).",
+    )
     batch_window_ms: float = Field(
         20.0, gt=0.0, description="openai loop: calls arriving within this of each other are generated in one batch."
     )

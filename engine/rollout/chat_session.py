@@ -14,10 +14,12 @@ from a fresh rendering, but the session's trained sequence ends before it: ``sto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 from engine.data.samples import RolloutSample, Status
 from engine.rollout.agent_loops import append_turn, start_session
@@ -37,7 +39,39 @@ class ChatSession:
         self.recording = True  # False once the trained sequence has ended; calls are still served
         self.closed = False  # the sample is handed on: nothing touches it any more
         self._lock = threading.Lock()  # calls arrive on the server's thread, the end on the loop's
+        self._opened_at = time.monotonic()
+        self._served_s = 0.0  # time its calls spent being served (the union of their spans): not the agent's
+        self._calls_in_flight = 0
+        self._serving_since = 0.0  # when the calls now in flight began being served
         start_session(sample, "openai", calls=[])
+
+    def agent_seconds(self) -> float:
+        """The agent's own time since the session opened: the time its calls spent waiting for the
+        policy does not count, since it grows with the batch, the backend and the machine's load,
+        none of which the agent controls (``agent.session_timeout_s`` bounds this)."""
+        with self._lock:
+            now = time.monotonic()
+            waiting = self._served_s + (now - self._serving_since if self._calls_in_flight else 0.0)
+            return now - self._opened_at - waiting
+
+    @contextlib.contextmanager
+    def served(self) -> Iterator[None]:
+        """Around a call that the policy serves for the trained sequence; calls made after it ended
+        (history rewritten, say) are the agent's own business and stay on its clock."""
+        with self._lock:
+            counted = self.recording and not self.closed
+            if counted:
+                if self._calls_in_flight == 0:
+                    self._serving_since = time.monotonic()
+                self._calls_in_flight += 1
+        try:
+            yield
+        finally:
+            if counted:
+                with self._lock:
+                    self._calls_in_flight -= 1
+                    if self._calls_in_flight == 0:
+                        self._served_s += time.monotonic() - self._serving_since
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int]:
         """The ids to generate from and how many new tokens the session's budget still allows."""
@@ -60,11 +94,7 @@ class ChatSession:
         if not self.recording:
             return self._render(messages, tools, generation_prompt=True), self.budget
         self._messages = list(messages)
-        left = self.budget - len(self.sample.response_ids)
-        if left <= 0:
-            self.end("token_budget", finish_reason="length")
-            raise SessionEnded("session ended: token_budget (the new messages fill the session's token budget)")
-        return self.sample.prompt_ids + self.sample.response_ids, left
+        return self.sample.prompt_ids + self.sample.response_ids, self.budget - len(self.sample.response_ids)
 
     def record(
         self, ids: list[int], logprobs: list[float], text: str, finish_reason: str, version: int, reply: dict, budget_spent: bool
@@ -123,7 +153,8 @@ class ChatSession:
         return given.get("role") == "assistant" and (given.get("content") or "").strip() == (returned.get("content") or "").strip()
 
     def _append_context(self, messages: list[dict[str, Any]]) -> None:
-        """Tokenise the messages after the assistant reply, and the template's text closing that reply."""
+        """Tokenise the messages after the assistant reply, and the template's text closing that reply;
+        raise ``SessionEnded`` where they leave no room in the budget for the model's next reply."""
         before = self._render_text(messages[: len(self._messages)], self._tools, generation_prompt=False)
         after = self._render_text(messages, self._tools, generation_prompt=True)
         if not after.startswith(before):
@@ -136,6 +167,14 @@ class ChatSession:
         self._record_tool_outputs(messages[len(self._messages):])
         text = closing + after[len(before):]
         ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= self.budget - len(self.sample.response_ids):
+            # As in the tool loop: messages that leave the model no token of the budget end the session
+            # without them, so the trained sequence never outgrows rollout.max_new_tokens.
+            self.end("token_budget", finish_reason="length")
+            raise SessionEnded(
+                f"session ended: token_budget (the new messages take {len(ids)} tokens; "
+                f"{self.budget - len(self.sample.response_ids)} are left of the session's {self.budget})"
+            )
         append_turn(self.sample, ids, [0.0] * len(ids), 0, self.sample.response_versions[-1], {"role": "context", "text": text})
 
     def _record_tool_outputs(self, new_messages: list[dict[str, Any]]) -> None:

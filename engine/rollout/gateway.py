@@ -8,7 +8,8 @@ a free port; a key is a random token valid for one session, so a call cannot lan
 
 Sampling follows the run (``rollout.temperature``, ``top_p``, ``top_k``): a request's own sampling
 settings are ignored, since the trainer's logprobs must match the distribution the tokens came from.
-``max_tokens`` / ``max_completion_tokens`` are honoured within the session's token budget.
+``max_tokens`` / ``max_completion_tokens`` are honoured within the session's token budget; ``stream``
+and ``n`` > 1 are refused (HTTP 400), and the session goes on.
 """
 
 from __future__ import annotations
@@ -92,8 +93,14 @@ class Gateway:
             session = self._sessions.get(token)
         if session is None:
             return _error(401, "unknown or expired session key: use the api_key your agent was given for this session")
-        if request.stream or request.n != 1:
-            return _error(400, "this endpoint serves n=1 without streaming")
+        with session.served():
+            return await self._serve_call(session, request)
+
+    async def _serve_call(self, session: ChatSession, request: ChatRequest):
+        if request.stream:
+            return _error(400, "stream=true is not supported: this endpoint answers each call whole; call it without stream")
+        if request.n != 1:
+            return _error(400, f"n={request.n} is not supported: this endpoint makes one choice per call (n=1); call it again for more")
         try:
             prompt_ids, left = session.prompt_for(request.messages, request.tools)
         except SessionEnded as ended:

@@ -11,9 +11,10 @@ to ``reward.function``.
 
 A session ends when its agent returns (``answer``), raises (``agent_error``, with the error kept),
 starts with a prompt longer than the run's ``max_prompt_length`` (``prompt_too_long``),
-returns something that is not a number (``agent_error``), runs past ``agent.session_timeout_s``
-(``timeout``: its key stops working, its thread is left to end on its own), or when its token budget
-(``rollout.max_new_tokens``, the whole session) is spent (``token_budget``).
+returns something that is not a number (``agent_error``), runs past ``agent.session_timeout_s`` of its
+own time (``timeout``: its key stops working, its thread is left to end on its own; the time its calls
+wait for the model does not count, as it grows with the batch and the machine's load), or when its
+token budget (``rollout.max_new_tokens``, the whole session) is spent (``token_budget``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
 import traceback
 from numbers import Real
 from typing import Any, Iterator
@@ -63,22 +63,26 @@ class GatewayLoop:
                 gateway.open(session)
             for index, session in enumerate(sessions):
                 threading.Thread(target=self._run_agent, args=(index, session, finished), daemon=True, name="agent").start()
-            deadline, pending = time.monotonic() + self._config.session_timeout_s, set(range(len(sessions)))
+            pending = set(range(len(sessions)))
             while pending:
-                try:
-                    index, reward, error = finished.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
+                left = {index: self._config.session_timeout_s - sessions[index].agent_seconds() for index in pending}
+                for index in sorted(index for index, seconds in left.items() if seconds <= 0):
+                    pending.discard(index)
+                    yield self._time_out(sessions[index])
+                if not pending:
                     break
+                try:  # no pending session can run out of its own time before the soonest of them
+                    index, reward, error = finished.get(timeout=min(left[index] for index in pending))
+                except queue.Empty:
+                    continue
+                if index not in pending:
+                    continue  # an agent that returned after its session timed out
                 pending.discard(index)
                 if error is not None:
                     sessions[index].end("agent_error")
                     sessions[index].sample.agent["error"] = error
                 elif reward is not None:
                     sessions[index].sample.agent["reward"] = reward
-                yield self._finish(sessions[index])
-            for index in sorted(pending):
-                sessions[index].end("timeout")
-                sessions[index].sample.agent["error"] = f"the agent ran past agent.session_timeout_s={self._config.session_timeout_s}"
                 yield self._finish(sessions[index])
 
     def _run_agent(self, index: int, session: ChatSession, finished: queue.Queue) -> None:
@@ -96,6 +100,14 @@ class GatewayLoop:
         except Exception as failure:
             error = "".join(traceback.format_exception_only(failure)).strip()[:AGENT_ERROR_MAX_CHARS]
         finished.put((index, reward, error))
+
+    def _time_out(self, session: ChatSession) -> RolloutSample:
+        session.end("timeout")
+        session.sample.agent["error"] = (
+            f"the agent ran past agent.session_timeout_s={self._config.session_timeout_s:g} of its own time "
+            "(time waiting for the model's replies not counted)"
+        )
+        return self._finish(session)
 
     def _finish(self, session: ChatSession) -> RolloutSample:
         self.gateway.close_session(session)
