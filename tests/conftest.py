@@ -178,6 +178,7 @@ SLOW_TESTS = frozenset({
     "tests/test_multi_task.py::test_two_tasks_mix_by_weight_each_with_its_loop_reward_and_sampling",
     "tests/test_multi_task.py::test_a_resumed_multi_task_run_draws_what_an_uninterrupted_one_does",
     "tests/test_multi_task.py::test_the_asynchronous_trainer_mixes_tasks_too",
+    "tests/test_private_head.py",
     "tests/test_report.py",
 })
 
