@@ -14,7 +14,9 @@ from engine.data.sampler import PromptSampler
 from engine.rollout.agent_loops import SingleTurnLoop
 from engine.rollout.base import Generation, in_order
 from engine.rollout.producer import Producer, ProducerFailure
+from engine.rollout.prompt_ledger import PromptLedger
 from engine.rollout.rewards import RewardRunner
+from engine.storage.ledger import SINGLE_TASK
 
 BATCH = 2
 # A deadline for what takes the producer well under a second: waits end as soon as it is done, and a
@@ -93,9 +95,11 @@ def make_producer(tmp_path, caps=(None,) * 6, max_new_tokens=4, dynamic_sampling
                for i, cap in enumerate(caps)]
     rewards = RewardRunner(config.reward)
     recorded = []
-    producer = Producer(config, sampler=PromptSampler(prompts, seed=0), rewards=rewards,
+    sampler = PromptSampler(prompts, seed=0)
+    producer = Producer(config, sampler=sampler, rewards=rewards,
                         agent_loop=SingleTurnLoop(lambda ids: "".join("a" if t == 10 else "b" for t in ids)),
-                        record=lambda groups, round_index, part: recorded.append((round_index, len(groups))))
+                        record=lambda groups, round_index, part: recorded.append((round_index, len(groups))),
+                        ledger=PromptLedger(config, {SINGLE_TASK: sampler}))
     return producer, rewards, recorded
 
 
@@ -140,6 +144,8 @@ def test_with_dynamic_sampling_flat_groups_reach_the_lake_but_never_the_buffer(t
         producer.pause_produce(timeout_s=WAIT_S)
         assert producer.buffer.count("completed") == 0
         assert producer.progress.filtered_groups == sum(count for _, count in recorded) >= BATCH
+        resolved = producer.state_dict()["ledger_resolved"]  # for the ledger, with the next batch taken
+        assert len(resolved) == producer.progress.filtered_groups and {row["status"] for row in resolved} == {"filtered"}
     finally:
         producer.shutdown()
         rewards.close()
