@@ -104,3 +104,27 @@ def test_mismatch_is_zero_when_train_and_rollout_agree():
     logprobs = torch.tensor([[-0.5, -1.0]])
     sums = mismatch_sums(logprobs, logprobs.clone(), torch.ones(1, 2))
     assert sums["k3_kl"].item() == 0.0 and sums["abs_logprob_diff_max"].item() == 0.0
+
+
+def test_mismatch_on_tokens_drawn_in_the_rollout_policys_exact_proportions_gives_the_closed_form_kl():
+    """Rollout policy q = (1/2, 1/4, 1/4) over tokens a, b, c; trainer p = (1/4, 1/4, 1/2). Four
+    response tokens a, a, b, c are q's exact proportions, so the per-token means are expectations
+    under q: k3 must give KL(q || p) = 1/2 ln 2 - 1/4 ln 2 = ln 2 / 4, the rollout NLL q's entropy
+    H(q) = 3/2 ln 2, the train NLL the cross-entropy H(q, p) = 7/4 ln 2; |log p - log q| is ln 2, 0, ln 2.
+    A masked position with a wild gap must count nowhere. Tried: the k3 of the wrong direction,
+    exp(-d) - 1 + d (it gives 0.202, not 0.173), and dropping the mask both fail it."""
+    q = {"a": 0.5, "b": 0.25, "c": 0.25}
+    p = {"a": 0.25, "b": 0.25, "c": 0.5}
+    rows = [["a", "a"], ["b", "c"]]
+    train = torch.tensor([[math.log(p[t]) for t in row] + [-0.01] for row in rows])
+    rollout = torch.tensor([[math.log(q[t]) for t in row] + [-9.0] for row in rows])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    sums = {name: value.item() for name, value in mismatch_sums(train, rollout, mask).items()}
+    tokens = 4
+    ln2 = math.log(2)
+    assert sums["k3_kl"] / tokens == pytest.approx(sum(q[t] * math.log(q[t] / p[t]) for t in q), abs=1e-6)
+    assert sums["k3_kl"] / tokens == pytest.approx(ln2 / 4, abs=1e-6)
+    assert sums["abs_logprob_diff"] == pytest.approx(3 * ln2, abs=1e-6)
+    assert sums["abs_logprob_diff_max"] == pytest.approx(ln2, abs=1e-6)
+    assert sums["rollout_nll"] / tokens == pytest.approx(1.5 * ln2, abs=1e-6)
+    assert sums["train_nll"] / tokens == pytest.approx(1.75 * ln2, abs=1e-6)

@@ -1,5 +1,8 @@
 """The training worker really trains: parameters move, options take effect, a step is never applied twice."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,6 +69,22 @@ def test_every_parameter_changes_and_metrics_are_reported(tiny_model, reverse_da
     assert metrics["clipfrac"] == 0.0  # one mini-batch: on-policy, ratio is exactly 1
     assert metrics["mismatch/k3_kl"] < 1e-6  # the trainer sees the rollout's own logprobs
     assert 0 < metrics["entropy"] < 10
+
+
+def test_the_mismatch_metrics_measure_a_known_gap_between_trainer_and_rollout(tiny_model, reverse_data, rollout_batch):
+    """Every rollout logprob lowered by 0.5 (the trainer recomputes the originals to ~1e-3): per token
+    d = log pi_train - log pi_rollout = 0.5, so k3 = e^0.5 - 1 - 0.5, |d| = 0.5 and the rollout
+    perplexity is the trainer's times e^0.5. Tried: k3 of the wrong direction (exp(-d) - 1 + d) in
+    ``engine/algo/losses.py::mismatch_sums`` gives 0.107 instead of 0.149 and fails it."""
+    groups, pad_id = rollout_batch
+    gap = 0.5
+    shifted = [[replace(s, logprobs=[lp - gap for lp in s.logprobs]) for s in group] for group in groups]
+    _, _, result = _fit(_config(tiny_model, reverse_data), shifted, pad_id)
+    metrics = result.metrics
+    assert metrics["mismatch/k3_kl"] == pytest.approx(math.exp(gap) - 1 - gap, abs=2e-3)
+    assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(gap, abs=2e-3)
+    assert metrics["mismatch/abs_logprob_diff_max"] == pytest.approx(gap, abs=1e-2)
+    assert metrics["mismatch/rollout_ppl"] == pytest.approx(metrics["mismatch/train_ppl"] * math.exp(gap), rel=2e-3)
 
 
 def test_a_step_is_never_applied_twice(tiny_model, reverse_data, rollout_batch):
