@@ -54,9 +54,14 @@ def test_parquet_folder_with_custom_keys(tmp_path, tokenizer):
     config = DatasetConfig(path=str(folder), prompt_key="question", label_key="answer", data_source_key="source")
     records, _ = load_prompts(config, tokenizer)
     assert len(records) == 2 and records[0].data_source == "s"
-    assert records[0].prompt_ids[-3:] == tuple(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "reverse AB0"}], add_generation_prompt=True, tokenize=True, return_dict=False
-    ))[-3:]
+    # Each prompt's whole ids, against the chat text written out by hand and tokenized plainly (not
+    # through the chat template the loader uses). Tried: the loader dropping the prompt's last
+    # character fails it, where comparing the ids' last 3 tokens (the template's suffix) passed.
+    for part, record in enumerate(records):
+        text = f"<|im_start|>user\nreverse AB{part}<|im_end|>\n<|im_start|>assistant\n"
+        assert list(record.messages) == [{"role": "user", "content": f"reverse AB{part}"}]
+        assert list(record.prompt_ids) == tokenizer(text, add_special_tokens=False)["input_ids"], part
+    assert records[0].prompt_ids != records[1].prompt_ids
 
 
 def test_missing_path_and_unusable_dataset_are_clear_errors(tmp_path, tokenizer):

@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
-from engine.config import RolloutISConfig
-from engine.algo.losses import aggregate, kl_penalty, mismatch_sums, ppo_clip_loss, rollout_is_weights, token_logprobs
+from engine.config import LossConfig, RolloutISConfig
+from engine.algo.losses import (
+    aggregate, kl_penalty, mismatch_sums, policy_objective, ppo_clip_loss, rollout_is_weights, token_logprobs,
+)
 
 
 def _ppo(ratio, advantage, **kwargs):
@@ -43,6 +45,34 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     assert counts["dual_clipped"] == 1
     loss, _ = _ppo(5.0, -1.0, clip_eps_low=0.2, clip_eps_high=0.2)
     assert loss == pytest.approx(5.0, abs=1e-6)
+
+
+def test_the_policy_objective_of_a_hand_built_micro_batch_token_by_token():
+    """Two sequences of four tokens, old logprobs 0 so the ratio is exp(logprob); eps 0.2 / 0.28, dual
+    clip 3. Row 0: inside (1.1, A=1), clipped high (1.5, A=1), clipped low (0.5, A=-1), dual-clipped
+    (5.0, A=-1). Row 1: below the range with A>0 (not clipped: the pessimistic bound is the ratio's),
+    above it with A<0 (not dual-clipped: 3.0 < 2 x 3), then two masked tokens in clip and dual-clip
+    regions, which count nowhere. IS weights 1, 2, 0.5, 1 / 1, 0 (rejected), 1, 1 multiply the loss.
+    Tried: the IS weights left out, clip-higher's eps replaced by eps_low, the dual clip applied to
+    positive advantages too, the clip counts not masked, and k3 in the other direction: each fails it."""
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 5.0], [0.5, 1.5, 2.0, 4.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0], [2.0, -2.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    weights = torch.tensor([[1.0, 2.0, 0.5, 1.0], [1.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    logprobs = ratios.log()
+    config = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1, kl_type="k3")
+    loss, kl, counts = policy_objective(
+        logprobs, torch.zeros_like(logprobs), advantages, mask, config,
+        is_weights_NL=weights, ref_logprobs_NL=logprobs - math.log(2),
+    )
+    unweighted = [[-1.1, -1.28, 0.8, 3.0], [-1.0, 3.0]]
+    assert (loss * mask).tolist()[0] == pytest.approx([u * w for u, w in zip(unweighted[0], [1.0, 2.0, 0.5, 1.0])])
+    assert (loss * mask).tolist()[1][:2] == pytest.approx([-1.0, 0.0])
+    assert {name: value.item() for name, value in counts.items()} == {"clipped_low": 1.0, "clipped_high": 1.0, "dual_clipped": 1.0}
+    assert kl.flatten().tolist() == pytest.approx([0.5 - 1 + math.log(2)] * 8)
+    assert aggregate(loss, mask, "token-mean", total_tokens=6, total_sequences=2).item() == pytest.approx(
+        (-1.1 - 2.56 + 0.4 + 3.0 - 1.0 + 0.0) / 6
+    )
 
 
 def test_kl_estimators():
@@ -104,3 +134,27 @@ def test_mismatch_is_zero_when_train_and_rollout_agree():
     logprobs = torch.tensor([[-0.5, -1.0]])
     sums = mismatch_sums(logprobs, logprobs.clone(), torch.ones(1, 2))
     assert sums["k3_kl"].item() == 0.0 and sums["abs_logprob_diff_max"].item() == 0.0
+
+
+def test_mismatch_on_tokens_drawn_in_the_rollout_policys_exact_proportions_gives_the_closed_form_kl():
+    """Rollout policy q = (1/2, 1/4, 1/4) over tokens a, b, c; trainer p = (1/4, 1/4, 1/2). Four
+    response tokens a, a, b, c are q's exact proportions, so the per-token means are expectations
+    under q: k3 must give KL(q || p) = 1/2 ln 2 - 1/4 ln 2 = ln 2 / 4, the rollout NLL q's entropy
+    H(q) = 3/2 ln 2, the train NLL the cross-entropy H(q, p) = 7/4 ln 2; |log p - log q| is ln 2, 0, ln 2.
+    A masked position with a wild gap must count nowhere. Tried: the k3 of the wrong direction,
+    exp(-d) - 1 + d (it gives 0.202, not 0.173), and dropping the mask both fail it."""
+    q = {"a": 0.5, "b": 0.25, "c": 0.25}
+    p = {"a": 0.25, "b": 0.25, "c": 0.5}
+    rows = [["a", "a"], ["b", "c"]]
+    train = torch.tensor([[math.log(p[t]) for t in row] + [-0.01] for row in rows])
+    rollout = torch.tensor([[math.log(q[t]) for t in row] + [-9.0] for row in rows])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    sums = {name: value.item() for name, value in mismatch_sums(train, rollout, mask).items()}
+    tokens = 4
+    ln2 = math.log(2)
+    assert sums["k3_kl"] / tokens == pytest.approx(sum(q[t] * math.log(q[t] / p[t]) for t in q), abs=1e-6)
+    assert sums["k3_kl"] / tokens == pytest.approx(ln2 / 4, abs=1e-6)
+    assert sums["abs_logprob_diff"] == pytest.approx(3 * ln2, abs=1e-6)
+    assert sums["abs_logprob_diff_max"] == pytest.approx(ln2, abs=1e-6)
+    assert sums["rollout_nll"] / tokens == pytest.approx(1.5 * ln2, abs=1e-6)
+    assert sums["train_nll"] / tokens == pytest.approx(1.75 * ln2, abs=1e-6)

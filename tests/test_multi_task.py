@@ -3,11 +3,13 @@ loop), reward functions, sampling settings and weights, mixed in each batch; per
 training and evaluation; the mix resumes exactly."""
 
 import json
+import math
 
 import pytest
 
 from engine.config.loading import ConfigError, load_config
 from engine.run.local import LocalRun
+from engine.storage.checkpoints import load_object
 from engine.tiny import reverse_task
 from helpers import lake_rows, logged_metrics
 
@@ -38,16 +40,42 @@ def mixed_config(lookup, reverse_prompts, work_dir, **changes):
     return load_config("configs/tiny_lookup.yaml", **{**fields, **changes})
 
 
+# Many small groups (2 samples each) so that a count of groups can tell the weights 3:1 from others.
+MANY_GROUPS = dict(train_batch_size=48, prompt_repeat_k=2)
+
+
+def binomial(n: int, p: float, k: int) -> float:
+    return math.comb(n, k) * p**k * (1 - p) ** (n - k)
+
+
+def assert_drawn_by_weight(lookup_groups: int, groups: int, share: float = 0.75) -> None:
+    """``lookup_groups`` of ``groups`` is a plausible Binomial(groups, 3/4) count: outside the interval
+    that leaves at most 1e-4 of that law's mass on each side (a right mix fails one seed in ~7,000), and
+    the interval is narrow enough that uniform weights (1/2) would fall inside it less than 1% of the
+    time, 3:1 reversed (1/4) never: the bound fails for wrong weights and holds for the right ones."""
+    low, mass = 0, 0.0
+    while mass + binomial(groups, share, low) <= 1e-4:
+        mass, low = mass + binomial(groups, share, low), low + 1
+    high, mass = groups, 0.0
+    while mass + binomial(groups, share, high) <= 1e-4:
+        mass, high = mass + binomial(groups, share, high), high - 1
+    uniform_inside = sum(binomial(groups, 0.5, k) for k in range(low, high + 1))
+    assert uniform_inside < 0.01, f"{groups} groups cannot tell 3:1 from 1:1 (bound {low}..{high})"
+    assert low <= lookup_groups <= high, f"{lookup_groups} of {groups} groups are lookup's; weights 3:1 allow {low}..{high}"
+
+
 def test_two_tasks_mix_by_weight_each_with_its_loop_reward_and_sampling(lookup, reverse_prompts, tmp_path):
-    config = mixed_config(lookup, reverse_prompts, tmp_path)
+    """Tried: uniform task weights in ``MixedSampler`` (``torch.ones_like(self._weights)``) fails the
+    mix; each task's eval accuracy is checked against its own rows of the eval lake."""
+    config = mixed_config(lookup, reverse_prompts, tmp_path, **MANY_GROUPS)
     with LocalRun(config) as run:
         run.run()
 
     rows = lake_rows(config)
     groups = {row["group_id"]: row for row in rows}
     by_task = {name: [row for row in groups.values() if row["task_name"] == name] for name in ("lookup", "reverse")}
-    assert len(groups) == 4 * 16
-    assert 36 <= len(by_task["lookup"]) <= 58, "weights 3:1 over 64 groups"  # binomial(64, 0.75): 48 +- 3.5
+    assert len(groups) == 4 * 48
+    assert_drawn_by_weight(len(by_task["lookup"]), len(groups))
     lookup_rows = [row for row in rows if row["task_name"] == "lookup"]
     reverse_rows = [row for row in rows if row["task_name"] == "reverse"]
     assert all(json.loads(row["agent"])["loop"] == "tool" for row in lookup_rows)
@@ -61,10 +89,14 @@ def test_two_tasks_mix_by_weight_each_with_its_loop_reward_and_sampling(lookup, 
     for step in range(1, 5):
         drawn = [row["task_name"] for row in groups.values() if row["train_step"] == step]
         assert metrics[step]["response/lookup/groups"] == drawn.count("lookup")
-        assert metrics[step]["response/lookup/groups"] + metrics[step]["response/reverse/groups"] == 16
+        assert metrics[step]["response/lookup/groups"] + metrics[step]["response/reverse/groups"] == 48
         assert "response/lookup/rewards/mean" in metrics[step] and "response/reverse/response_len/mean" in metrics[step]
     assert metrics[4]["eval/lookup/samples"] == 32 and metrics[4]["eval/reverse/samples"] == 16
-    assert 0.0 <= metrics[4]["eval/lookup/accuracy"] <= 1.0
+    evaluated = [row for row in lake_rows(config, "eval") if row["train_step"] == 4]
+    for task in ("lookup", "reverse"):
+        mine = [row for row in evaluated if row["task_name"] == task]
+        correct = sum(row["status"] == "completed" and row["reward"] > 0.5 for row in mine)
+        assert metrics[4][f"eval/{task}/accuracy"] == correct / len(mine), task
 
 
 def test_a_resumed_multi_task_run_draws_what_an_uninterrupted_one_does(lookup, reverse_prompts, tmp_path):
@@ -98,12 +130,30 @@ def test_a_multi_task_config_says_what_is_wrong(lookup, reverse_prompts, tmp_pat
 
 
 def test_the_asynchronous_trainer_mixes_tasks_too(lookup, reverse_prompts, tmp_path):
+    """The producer's draws follow the weights: counted where nothing is lost to timing, in the sampler
+    state of the last step's checkpoint (every group drawn, in flight or not); the lake's trained
+    groups are among them, and each step's per-task metrics count its trained groups. A step's batch
+    need not mix the tasks by weight (the producer generates one task after the other and the trainer
+    takes groups as they complete: step 1 here is all lookup). Tried: uniform task weights in
+    ``MixedSampler`` fails it."""
     config = mixed_config(lookup, reverse_prompts, tmp_path, trainer="disaggregated", total_train_steps=3,
-                          enable_evaluate=False, checkpoint_interval=-1, replay_buffer={"kind": "async", "max_staleness": 1})
+                          enable_evaluate=False, checkpoint_interval=3, replay_buffer={"kind": "async", "max_staleness": 1},
+                          **MANY_GROUPS)
     with LocalRun(config) as run:
         run.run()
     rows = lake_rows(config)
-    assert {row["task_name"] for row in rows} == {"lookup", "reverse"}
     assert all(json.loads(row["agent"])["loop"] == "tool" for row in rows if row["task_name"] == "lookup")
     assert all(row["agent"] is None for row in rows if row["task_name"] == "reverse")
-    assert any("response/lookup/groups" in logged_metrics(config)[step] for step in (1, 2, 3))
+
+    sampler = load_object(f"{config.run_uri}/checkpoints/step-000003/controller.pt")["sampler"]
+    drawn = {task: sampler["tasks"][task]["consumed"] for task in ("lookup", "reverse")}
+    assert drawn["lookup"] + drawn["reverse"] >= 3 * 48
+    assert_drawn_by_weight(drawn["lookup"], drawn["lookup"] + drawn["reverse"])
+    groups = {row["group_id"]: row for row in rows}
+    metrics = logged_metrics(config)
+    for task in ("lookup", "reverse"):
+        assert 0 < sum(row["task_name"] == task for row in groups.values()) <= drawn[task], task
+    for step in (1, 2, 3):
+        trained = {task: sum(row["task_name"] == task and row["train_step"] == step for row in groups.values()) for task in drawn}
+        for task, count in trained.items():  # per-task figures only for a batch that mixes tasks
+            assert metrics[step].get(f"response/{task}/groups") == (count if all(trained.values()) else None), (task, step)

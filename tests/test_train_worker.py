@@ -1,5 +1,8 @@
 """The training worker really trains: parameters move, options take effect, a step is never applied twice."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -9,12 +12,14 @@ from engine.data.prompts import load_prompts
 from engine.train.logprob_head import batch_logprobs, output_head
 from engine.algo.losses import token_logprobs
 from engine.train.packing import to_packed, to_padded
-from engine.data.prepare import prepare_train_data
+from engine.data.prepare import IGNORE, prepare_train_data
+from engine.rollout.base import SamplingParams
 from engine.rollout.produce import rollout_groups, sampling_params
 from engine.rollout.rewards import RewardRunner
 from engine.rollout.transformers_backend import TransformersRollout
 from engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
 from engine.train.varlen_attention import use_varlen_attention
+from teacher_forcing import teacher_forced_gaps
 
 
 def _config(tiny_model, reverse_data, **changes):
@@ -68,6 +73,22 @@ def test_every_parameter_changes_and_metrics_are_reported(tiny_model, reverse_da
     assert 0 < metrics["entropy"] < 10
 
 
+def test_the_mismatch_metrics_measure_a_known_gap_between_trainer_and_rollout(tiny_model, reverse_data, rollout_batch):
+    """Every rollout logprob lowered by 0.5 (the trainer recomputes the originals to ~1e-3): per token
+    d = log pi_train - log pi_rollout = 0.5, so k3 = e^0.5 - 1 - 0.5, |d| = 0.5 and the rollout
+    perplexity is the trainer's times e^0.5. Tried: k3 of the wrong direction (exp(-d) - 1 + d) in
+    ``engine/algo/losses.py::mismatch_sums`` gives 0.107 instead of 0.149 and fails it."""
+    groups, pad_id = rollout_batch
+    gap = 0.5
+    shifted = [[replace(s, logprobs=[lp - gap for lp in s.logprobs]) for s in group] for group in groups]
+    _, _, result = _fit(_config(tiny_model, reverse_data), shifted, pad_id)
+    metrics = result.metrics
+    assert metrics["mismatch/k3_kl"] == pytest.approx(math.exp(gap) - 1 - gap, abs=2e-3)
+    assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(gap, abs=2e-3)
+    assert metrics["mismatch/abs_logprob_diff_max"] == pytest.approx(gap, abs=1e-2)
+    assert metrics["mismatch/rollout_ppl"] == pytest.approx(metrics["mismatch/train_ppl"] * math.exp(gap), rel=2e-3)
+
+
 def test_a_step_is_never_applied_twice(tiny_model, reverse_data, rollout_batch):
     groups, pad_id = rollout_batch
     config = _config(tiny_model, reverse_data)
@@ -76,7 +97,35 @@ def test_a_step_is_never_applied_twice(tiny_model, reverse_data, rollout_batch):
         worker.fit(prepare_train_data(groups, config.advantage, shuffle=False, seed=0), 1)
 
 
+IS_OFFSETS = (0.0, 0.3, -0.3, 1.5, -1.5)  # log IS weights; +-1.5 fall outside the mask's [0.5, 2]
+
+
+def _with_is_offsets(sequences):
+    """The sequences with the rollout logprobs of the i-th one's response tokens lowered by offset
+    i mod 5 of IS_OFFSETS, so that their IS weight pi_train / pi_rollout is exp(offset) (to the ~1e-3
+    by which the rollout's logprobs differ from the trainer's); returns them and each token's
+    (advantage, offset). (One offset per sequence: cycling them per token can cancel out in the loss.)"""
+    shifted, tokens = [], []
+    for index, sequence in enumerate(sequences):
+        offset = IS_OFFSETS[index % len(IS_OFFSETS)]
+        logprobs = list(sequence.rollout_logprobs)
+        for position, label in enumerate(sequence.labels):
+            if label != IGNORE:
+                logprobs[position] -= offset
+                tokens.append((sequence.advantages[position], offset))
+        shifted.append(replace(sequence, rollout_logprobs=logprobs))
+    return shifted, tokens
+
+
 def test_several_mini_batches_clip_kl_and_is_correction(tiny_model, reverse_data, rollout_batch):
+    """Four mini-batches with token-level IS in mask mode, dual clip and a k3 KL penalty, on a batch
+    whose rollout logprobs are shifted by hand (``_with_is_offsets``). The first mini-batch is on-policy
+    (ratio 1, policy = reference): no clipping, no KL, and its IS figures and loss follow from the
+    offsets alone: weights exp(0), exp(+-0.3) kept, exp(+-1.5) rejected (0), so the loss is
+    sum(-advantage x weight) / tokens. The later ones have moved (clipfrac and KL > 0; their exact
+    values depend on the update, whose clipping math ``test_losses`` checks token by token).
+    Tried: IS weights left out of the loss (``policy_objective`` ignoring ``is_weights_NL``), and the
+    mask mode's lower bound dropped (``rejected = weights > config.upper``): both fail it."""
     groups, pad_id = rollout_batch
     config = _config(
         tiny_model,
@@ -85,12 +134,32 @@ def test_several_mini_batches_clip_kl_and_is_correction(tiny_model, reverse_data
         optim={"lr": 1e-2},
         loss={"kl_coef": 0.1, "kl_type": "k3", "dual_clip_c": 3.0, "clip_eps_high": 0.28, "rollout_is": {"level": "token", "mode": "mask"}},
     )
-    _, _, result = _fit(config, groups, pad_id)
+    # A group with signal in the first mini-batch (its loss is checked) and the others in the last.
+    signal = [group for group in groups if len({s.reward for s in group}) > 1]
+    flat = [group for group in groups if len({s.reward for s in group}) == 1]
+    assert len(signal) >= 2
+    batch = prepare_train_data(signal[:1] + flat + signal[1:], config.advantage, shuffle=False, seed=0)
+    first_mini_batch = batch.sequences[: math.ceil(len(batch.sequences) / 4)]
+    shifted, _ = _with_is_offsets(batch.sequences)
+    _, tokens = _with_is_offsets(first_mini_batch)
+    worker = TrainingWorker(config, total_train_steps=4, pad_token_id=pad_id)
+    result = worker.fit(replace(batch, sequences=shifted), 1)
     assert len(result.mini_batch_metrics) == 4
+
+    first = result.mini_batch_metrics[0]
+    kept = [(advantage, math.exp(offset)) for advantage, offset in tokens if abs(offset) < 1]
+    assert first["clipfrac"] == 0.0 and first["dual_clipfrac"] == 0.0 and first["kl"] == 0.0
+    assert first["rollout_is/rejected_fraction"] == (len(tokens) - len(kept)) / len(tokens)
+    assert first["rollout_is/mean"] == pytest.approx(sum(w for _, w in kept) / len(tokens), rel=3e-3)
+    assert first["rollout_is/max"] == pytest.approx(math.exp(0.3), rel=3e-3)
+    assert first["rollout_is/min"] == 0.0
+    assert first["pg_loss"] == pytest.approx(sum(-a * w for a, w in kept) / len(tokens), rel=3e-3, abs=1e-4)
+    assert abs(first["pg_loss"] - sum(-a for a, _ in tokens) / len(tokens)) > 1e-3  # the weights changed the loss (10x the tolerance)
+
     later = result.mini_batch_metrics[-1]
     assert later["clipfrac"] > 0  # after 3 large updates the policy has moved past the trust region
+    assert later["clipfrac"] == pytest.approx(later["clipfrac_low"] + later["clipfrac_high"])
     assert later["kl"] > 0  # and away from the reference model
-    assert {"rollout_is/mean", "rollout_is/rejected_fraction", "dual_clipfrac"} <= later.keys()
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
@@ -102,11 +171,29 @@ def test_other_loss_aggregations_train(tiny_model, reverse_data, rollout_batch, 
 
 
 def test_exported_weights_load_into_the_rollout_backend(tiny_model, reverse_data, rollout_batch):
+    """The backend serves the trained weights tensor for tensor, and samples with their logprobs (a
+    teacher-forced recompute with the exported weights agrees; one with the initial weights does not).
+    Tried: ``TransformersRollout.load_weights`` loading nothing (``strict=False`` with an empty state
+    dict), or all but the norm weights, fails it, where the old check of the version number passed."""
     groups, pad_id = rollout_batch
-    worker, _, _ = _fit(_config(tiny_model, reverse_data), groups, pad_id)
+    worker, before, _ = _fit(_config(tiny_model, reverse_data, optim={"lr": 1e-2}), groups, pad_id)
+    exported = {name: tensor.detach().clone() for name, tensor in worker.export_weights().items()}
     backend = TransformersRollout(str(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
     backend.load_weights(worker.export_weights(), policy_version=1)
     assert backend.policy_version == 1
+
+    served = backend.served_weights()
+    assert served.keys() == exported.keys()
+    assert [name for name in exported if not torch.equal(served[name], exported[name])] == []
+    assert not torch.equal(served["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+    prompts = [group[0].prompt_ids for group in groups[:4]]
+    generations = backend.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.7, seed=5))
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model)
+    trained.load_state_dict(exported)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert teacher_forced_gaps(trained, prompts, generations, 0.7).max() < 2e-4
+    assert teacher_forced_gaps(initial, prompts, generations, 0.7).max() > 1e-2
 
 
 def test_learning_rate_schedules():

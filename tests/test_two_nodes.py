@@ -4,12 +4,18 @@ before any worker starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ray = pytest.importorskip("ray")
 
 from engine.cluster.placement import GpuPlacementError
 from engine.cluster.workers import RunWorkers
+from engine.storage.checkpoints import require_complete
+from engine.train.worker import TrainingWorker
 from flows.rl_train import rl_train
 from helpers import logged_metrics, tiny_config
 from two_nodes import alive_nodes, second_node
@@ -18,7 +24,11 @@ from two_nodes import alive_nodes, second_node
 def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """Disaggregated, 2 trainer ranks and 2 rollout workers, each side placed STRICT_SPREAD: one rank
     and one rollout worker on each node; the run's three steps train, sync weights to both workers
-    and checkpoint across the nodes."""
+    and checkpoint across the nodes: the step-3 checkpoint is complete (marker, train state), each
+    rank wrote its own shards and state, and it loads into a fresh one-process trainer as exactly
+    the weights the ranks hold after step 3 (and both rollout workers serve). Tried: the seal's
+    COMPLETE marker left out (``require_complete`` refuses it), and the checkpoint saved before the
+    step's fit (it loads as step 2): both fail it."""
     head_id = ray.get_runtime_context().get_node_id()
     with second_node(ray_cluster, tmp_path, num_cpus=2) as node2:
         assert {n["NodeManagerAddress"] for n in alive_nodes()} == {"127.0.0.1"}  # loopback only
@@ -36,10 +46,28 @@ def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data
             assert set(ray.get([rollout.node_id.remote() for rollout in rollouts], timeout=60)) == {head_id, node2}
             assert ray.get(ranks[0].applied_step.remote(), timeout=60) == 3
             assert ray.get([rollout.policy_version.remote() for rollout in rollouts], timeout=60) == [3, 3]
+            trained = ray.get([rank.export_weights.remote() for rank in ranks], timeout=120)[0]  # collective: rank 0 has them
+            served = ray.get([rollout.served_weights.remote() for rollout in rollouts], timeout=120)
         finally:
             workers.release()  # before the node goes: its placement group would be rescheduled
     metrics = logged_metrics(config)
     assert sorted(metrics) == [1, 2, 3] and all(m["train/grad_norm"] > 0 for m in metrics.values())
+
+    checkpoint = f"{config.run_uri}/checkpoints/step-000003"
+    assert require_complete(checkpoint)["step"] == 3
+    for part in ("model", "optim"):  # one shard file per rank, one rank per node
+        assert sorted(p.name for p in Path(checkpoint, part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert all(Path(checkpoint, name).is_file() for name in ("trainer.pt", "trainer-rank1.pt", "controller.pt"))
+    pad_id = AutoTokenizer.from_pretrained(tiny_model).pad_token_id
+    loader = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path / "loader"), total_train_steps=3, pad_token_id=pad_id)
+    assert loader.load_checkpoint(checkpoint, {}) == 3
+    loaded = loader.export_weights()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert loaded.keys() == trained.keys()
+    assert [name for name in trained if not torch.equal(loaded[name], trained[name])] == []
+    assert not torch.equal(loaded["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    for weights in served:
+        assert [name for name in trained if not torch.equal(weights[name], trained[name])] == []
 
 
 def test_more_workers_than_the_cluster_has_are_refused_before_any_starts(tiny_model, reverse_data, tmp_path, ray_cluster):

@@ -5,6 +5,7 @@ data and reward module), a cluster started first with `trellis cluster up` from 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -12,12 +13,17 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pyarrow.dataset as ds
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.algo.losses import token_logprobs
+from engine.data.prepare import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 TRELLIS = str(Path(sys.executable).with_name("trellis"))
@@ -52,6 +58,13 @@ def project(tmp_path_factory):
     return folder
 
 
+def import_by_path(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"user_project_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def greedy_accuracy(model_dir: Path, prompts: list[tuple[str, str]]) -> float:
     """Held-out accuracy of a saved model, with plain transformers."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
@@ -65,6 +78,23 @@ def greedy_accuracy(model_dir: Path, prompts: list[tuple[str, str]]) -> float:
     return right / len(prompts)
 
 
+def answer_chance(model_dir: Path, prompts: list[tuple[str, str]], temperature: float) -> float:
+    """Mean over ``prompts`` of the exact chance that one sample at ``temperature`` is the answer: the
+    product of the probabilities of the answer's tokens and the closing end token, teacher-forced. No
+    sampling noise; another tokenization of the same text is not counted, so it is a lower bound."""
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    total = 0.0
+    for prompt, answer in prompts:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+        answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        labels = torch.tensor([[IGNORE] * (len(prompt_ids) - 1) + answer_ids])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt_ids + answer_ids[:-1]])).logits
+        total += token_logprobs(logits, labels, temperature=temperature).sum().exp().item()
+    return total / len(prompts)
+
+
 def lake_rewards(project: Path) -> dict[int, list[float]]:
     table = ds.dataset(project / "runs" / "sort_letters" / "trajectories" / "split=train", partitioning="hive").to_table()
     rewards: dict[int, list[float]] = {}
@@ -74,6 +104,12 @@ def lake_rewards(project: Path) -> dict[int, list[float]]:
 
 
 def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(project, live_cluster):
+    """The run learns on held-out prompts: the exact chance that a sample at the run's temperature is
+    the answer rises by more than 0.02, and greedy accuracy rises. Over seeds 1-7 that chance rose by
+    +0.046 to +0.189 and greedy accuracy by +0.016 to +0.164 (this config's seed 7: 0.274 -> 0.463 and
+    0.379 -> 0.543, the same on every run here). Tried: the policy loss zeroed in ``policy_objective``
+    leaves both exactly where they were (0.2745 -> 0.2745: fails); flipped advantages, or rollouts that
+    never load the new weights, drive both to ~0. Then the edited reward reaches the workers."""
     home, env = str(live_cluster["home"]), live_cluster["env"]
     first = run("train", "my.yaml", "--set", f"cluster.home={home}", "--set", "cluster.release_workers_at_end=false",
                 cwd=project, env=env)
@@ -83,13 +119,18 @@ def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(proje
     metrics = [json.loads(line) for line in (project / "runs" / "sort_letters" / "logs" / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["response/rewards/mean"] for m in metrics if m["step"] > 0]
     assert len(rewards) == 40 and sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05, rewards
-    sys.path.insert(0, str(project))
-    from task import make_example
 
+    # Learning, on 256 prompts the run never saw. Training's outcome swings with its seed (see above),
+    # so the bar sits between a broken trainer's (no gain, or collapse) and the smallest seen (+0.046).
+    task = import_by_path(project / "task.py")  # not through sys.path: the session keeps no `task` module
     rng = random.Random(12345)
-    held_out = [make_example(rng) for _ in range(256)]
-    before, after = greedy_accuracy(project / "model", held_out), greedy_accuracy(project / "runs" / "sort_letters" / "hf" / "step-000040", held_out)
-    assert after > before + 0.05, (before, after)
+    held_out = [task.make_example(rng) for _ in range(256)]
+    initial, trained = project / "model", project / "runs" / "sort_letters" / "hf" / "step-000040"
+    temperature = yaml.safe_load((project / "my.yaml").read_text())["rollout"]["temperature"]
+    before, after = answer_chance(initial, held_out, temperature), answer_chance(trained, held_out, temperature)
+    assert after > before + 0.02, (before, after)
+    before, after = greedy_accuracy(initial, held_out), greedy_accuracy(trained, held_out)
+    assert after > before, (before, after)
 
     # Everything the head and the live workers listen on is loopback.
     head = psutil.Process(live_cluster["record"]["pid"])

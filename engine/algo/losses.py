@@ -117,11 +117,14 @@ def rollout_is_weights(
 def mismatch_sums(
     old_logprobs_NL: torch.Tensor, rollout_logprobs_NL: torch.Tensor, mask_NL: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Sums over tokens of train-vs-rollout logprob mismatch measures (divide by token count)."""
+    """Sums over tokens of train-vs-rollout logprob mismatch measures (divide by token count).
+
+    The tokens were sampled by the rollout policy, so k3 estimates KL(pi_rollout || pi_train) with
+    r = pi_train / pi_rollout: r - 1 - log r, unbiased because E_rollout[r] = 1."""
     mask = mask_NL.float()
     diff = (old_logprobs_NL - rollout_logprobs_NL) * mask
     return {
-        "k3_kl": ((torch.exp(-diff) - 1.0 + diff) * mask).sum(),
+        "k3_kl": ((torch.exp(diff) - 1.0 - diff) * mask).sum(),
         "abs_logprob_diff": diff.abs().sum(),
         "abs_logprob_diff_max": diff.abs().max(),
         "train_nll": (-old_logprobs_NL * mask).sum(),

@@ -126,6 +126,12 @@ def matching_keys(records: Records, patterns: tuple[str, ...]) -> list[str]:
 
 def draw_panel(panel: Panel, records: Records) -> bytes | None:
     """The panel as PNG bytes, or None when the run logged none of its keys."""
+    figure = panel_figure(panel, records)
+    return None if figure is None else png_of(figure)
+
+
+def panel_figure(panel: Panel, records: Records) -> Figure | None:
+    """The panel's figure, one subplot per group of logged keys; None when the run logged none of them."""
     subplots = [keys for patterns in panel.subplots if (keys := matching_keys(records, patterns))]
     if not subplots:
         return None
@@ -143,6 +149,10 @@ def draw_panel(panel: Panel, records: Records) -> bytes | None:
         axes.set_ylabel(panel.ylabel)
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
+    return figure
+
+
+def png_of(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     return buffer.getvalue()
