@@ -16,6 +16,7 @@ timeline): the GPU workers waited on Prefect and the driver. Also reported: 1 - 
 flow step, and a weight sync between the live actors timed on its own.
 
     python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--compile]
+        [--early-launch-only] [engine_steps.py's other options: --vllm-memory, --lr, --model ...]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trel
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from engine_steps import add_step_arguments, result_path, step_argv, step_config  # noqa: E402
+from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
@@ -79,11 +80,12 @@ def flow_steps(args: argparse.Namespace) -> dict:
             config = step_config(
                 WORK, args, total_train_steps=WARMUP_STEPS, work_dir=tmp, experiment_name="flow_bench",
                 rollout={"runtime_env": runtime_env},
-                cluster={"address": address, "release_workers_at_end": False, "torch_threads": 4},
+                cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4},
             )
             rl_train(config)
             since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
-            for overlap in (True, False) * args.rounds:
+            launches = (True,) if args.early_launch_only else (True, False)
+            for overlap in launches * args.rounds:
                 total += args.steps
                 cluster = config.cluster.model_copy(update={"overlap_next_rollout": overlap})
                 rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
@@ -96,6 +98,8 @@ def flow_steps(args: argparse.Namespace) -> dict:
             RunWorkers(config).release()
         modes = {}
         for overlap, steps in measured.items():
+            if not steps:  # --early-launch-only
+                continue
             wall = [starts[s + 1] - starts[s] for s in steps]
             idle = [idle_seconds(spans, starts[s], starts[s + 1]) for s in steps]
             modes["overlap" if overlap else "in_step"] = {
@@ -108,6 +112,7 @@ def flow_steps(args: argparse.Namespace) -> dict:
         every = measured[True] + measured[False]
         return {
             "gpus_in_cluster": gpus,
+            "settings": run_settings(config),
             "modes": modes,
             "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in every)
             if "mismatch/k3_kl" in records[every[0]] else None,
@@ -124,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_step_arguments(parser, steps=5, backend="vllm")
     parser.add_argument("--rounds", type=int, default=2, help="flow runs of each kind, alternated")
+    parser.add_argument("--early-launch-only", action="store_true", help="only the default: each rollout launched early")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     local = in_process_steps(args)
