@@ -4,7 +4,7 @@ Weights are random, so rewards are ~0: this measures rollout and training token 
 same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
 
     python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256] [--backend vllm]
-        [--resident-trainer] [--compile] [--vllm-memory 0.4] [--lr LR] [--model DIR] [--torch-threads N]
+        [--resident-trainer] [--compile] [--vllm-memory 0.4] [--lr LR] [--model DIR] [--torch-threads N] [--warmup 1]
 
 On a machine without a GPU (``--backend transformers --model DIR`` with a small model) it runs on CPU.
 """
@@ -110,7 +110,8 @@ def run_settings(config) -> dict:
     return config.model_dump(mode="json", include={
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
         "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature"},
-        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing"},
+        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"},
+        "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype"},
     })
 
 
@@ -122,7 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_step_arguments(parser, steps=3, backend="transformers")
     parser.add_argument("--track", action="store_true", help="write trajectories and metrics, as the flow does")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     args = parser.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and less than --steps")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
     config = step_config(work, args)
@@ -131,12 +135,14 @@ def main() -> None:
         for _ in range(args.steps):
             reports.append(run.train_step().metrics)
             print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
-    steady = reports[1:] or reports
+    steady = reports[args.warmup:]
     on_gpu = torch.cuda.is_available()
     summary = {
         "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "settings": run_settings(config),
         "samples_per_step": args.prompts * args.group,
+        "warmup_steps": args.warmup,
+        "measured_steps": len(steady),
         "rollout_tokens_per_s": statistics.median(r["throughput/rollout_tgs"] for r in steady),
         "training_tokens_per_s": statistics.median(r["throughput/training_tgs"] for r in steady),
         "step_s": statistics.median(r["time/step"] for r in steady),

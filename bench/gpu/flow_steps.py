@@ -3,7 +3,8 @@ orchestration costs.
 
 Same machine, same config, one after the other:
 1. ``engine_steps.py --track`` in a child process (so its GPU memory is freed at exit): the steps in
-   one process with no Prefect or Ray, writing trajectories and metrics as the flow does;
+   one process with no Prefect or Ray, writing trajectories and metrics as the flow does, with the
+   flow's warm-up (2 steps) and as many measured steps as one flow run below measures;
 2. ``rl_train`` on a fresh local Ray head. The trainer and rollout actors split the GPU and weights
    move between them through CUDA IPC. A first flow run warms the workers up and keeps them; then
    flow runs of ``--steps`` steps each re-attach to them, alternately with each step's rollout
@@ -34,6 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trellis_flow_step's helpers
 
+from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+
+use_lean_temporary_server()  # before Prefect is imported (below), which reads its client settings then
+
 import ray  # noqa: E402
 import torch  # noqa: E402
 from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config  # noqa: E402
@@ -51,7 +56,11 @@ WORK = Path("/tmp/trellis-gpu")
 
 
 def in_process_steps(args: argparse.Namespace) -> dict:
-    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(args), "--track"]
+    """engine_steps.py with the flow's warm-up and number of measured steps: ``WARMUP_STEPS`` left out,
+    then as many as one flow run of ``--steps`` measures (its last step has no successor start)."""
+    same_steps = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.steps - 1})
+    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(same_steps), "--track",
+               "--warmup", str(WARMUP_STEPS)]
     env = dict(os.environ)
     if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
         env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
@@ -80,7 +89,8 @@ def flow_steps(args: argparse.Namespace) -> dict:
             config = step_config(
                 WORK, args, total_train_steps=WARMUP_STEPS, work_dir=tmp, experiment_name="flow_bench",
                 rollout={"runtime_env": runtime_env},
-                cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4},
+                cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4,
+                         "home": str(WORK / "cluster")},  # its token file, not the user's ~/.trellis
             )
             rl_train(config)
             since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
@@ -113,6 +123,8 @@ def flow_steps(args: argparse.Namespace) -> dict:
         return {
             "gpus_in_cluster": gpus,
             "settings": run_settings(config),
+            "warmup_steps": WARMUP_STEPS,
+            "measured_steps_per_flow_run": args.steps - 1,
             "modes": modes,
             "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in every)
             if "mismatch/k3_kl" in records[every[0]] else None,
