@@ -18,14 +18,18 @@ contestants:
 They run alternately, ``--rounds`` times (trl, trellis, trellis-compiled, trl, ...), each in its own
 process, so each starts on a free GPU. The settings each side really ran with (read back from its own
 records) are printed side by side and checked equal first. Figures per contestant, as the median over
-the rounds with the spread (min .. max) beside it: the median step wall time after the warm-up; trained
-response tokens per second = the response tokens each side trained in the measured steps, from its own
-records (TRL: every completion's ``completion_ids``, cut at its EOS as TRL's completion mask is, summed
-in the reward function; trellis: ``response/response_len/mean`` x ``response/training_samples`` of each
-step's metrics), over the sum of those steps' wall times; the peak GPU memory the device reported
-(``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for both). A step's wall time is TRL's
-``on_step_begin`` to ``on_step_end``, trellis's from one ``rl_step`` flow run's start to the next one's
-(everything the user waits for, so it can only favour TRL).
+the rounds with the spread (min .. max) beside it: the median step wall time after the warm-up (2 steps
+on each side: trellis's warm-up flow run, TRL's first two steps; the settings table reads it back from
+each side's output); trained response tokens per second = the response tokens, up to and including
+EOS, of every sample each side trained in the measured steps, counted the same way from each side's
+own records (TRL: the length of every completion's ``completion_ids``, cut after its EOS as TRL's
+completion mask is, summed in the reward function; trellis: ``response/response_len/mean`` x
+``response/batch_size``, the samples that mean is over), over the sum of those steps' wall times;
+trellis's in-process step is measured over the same warm-up and number of steps as its flow; the
+peak GPU memory the device reported (``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for
+both). A step's wall time is TRL's ``on_step_begin`` to ``on_step_end``, trellis's from one ``rl_step``
+flow run's start to the next one's (everything the user waits for, so it can only favour TRL; trellis
+runs one step more than it measures, whose start ends the last measured one).
 
     python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--rounds 2] [--order trl,trellis,trellis-compiled]
         [--vllm-memory 0.3] [--smoke]
@@ -60,6 +64,7 @@ CONTESTANTS = ("trl", "trellis", "trellis-compiled")
 # A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
 GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
 SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
+TOKENS_COUNTED = "response tokens up to and including EOS, of every trained sample"
 DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records"}
 
 
@@ -130,20 +135,30 @@ def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) ->
     flow = result["modes"]["overlap"]
     records = {r["step"]: r for r in result["flow_steps"]}
     steps = sorted(records)[: len(flow["steps_s"])]  # the measured steps; each has a successor whose start ends it
-    tokens = [records[s]["response/response_len/mean"] * records[s]["response/training_samples"] for s in steps]
-    samples = sum(records[s]["response/training_samples"] for s in steps)
+    tokens = [trained_response_tokens(records[s]) for s in steps]
+    samples = sum(records[s]["response/batch_size"] for s in steps)
     engine = json.loads((out / f"engine_steps_{'transformers' if args.smoke else 'vllm'}_resident.json").read_text())
-    engine_tokens = [r["response/response_len/mean"] * r["response/training_samples"] for r in engine["steps"][1:]]
-    engine_wall = [r["time/step"] for r in engine["steps"][1:]]
+    engine_steps = engine["steps"][engine["warmup_steps"]:]  # the flow's warm-up, and as many measured steps
+    engine_tokens = [trained_response_tokens(r) for r in engine_steps]
+    engine_wall = [r["time/step"] for r in engine_steps]
     return {"step_s": flow["step_s"], "steps_s": flow["steps_s"], "trained_response_tokens": sum(tokens),
             "trained_response_tokens_per_s": sum(tokens) / sum(flow["steps_s"]), "response_len_mean": sum(tokens) / samples,
             "workers_idle_fraction": flow["workers_idle_fraction"], "in_process_step_s": engine["step_s"],
             "in_process_trained_response_tokens_per_s": sum(engine_tokens) / sum(engine_wall), "peak_gpu_gib": peak_gib,
-            "settings": {**trellis_settings(result["settings"]), "warm-up steps": WARMUP_STEPS, "measured steps": len(steps)}}
+            "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu"),
+                         "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
 
 
-def trellis_settings(config: dict) -> dict:
+def trained_response_tokens(record: dict) -> float:
+    """The response tokens (up to and including EOS) of every sample a trellis step trained: the mean
+    length times the number of samples it is the mean over (TRL counts ``completion_ids`` the same way)."""
+    return record["response/response_len/mean"] * record["response/batch_size"]
+
+
+def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
     rollout, vllm = config["rollout"], config["rollout"]["backend"] == "vllm"
+    worker = config["train_worker"]
+    bf16 = on_gpu and worker["dtype"] in ("auto", "bfloat16")  # engine/train/worker.py: fp32 weights, bf16 compute
     return {
         "model (weights digest)": f"{Path(config['load_from']).name} ({weights_digest(Path(config['load_from']))})",
         "prompts file digest": files_digest([Path(config["train_dataset"]["path"])]),
@@ -158,9 +173,10 @@ def trellis_settings(config: dict) -> dict:
         "trainer resident (no offload)": not config["train_worker"]["offload_when_idle"],
         "torch threads (CPU ops)": config["cluster"]["torch_threads"],
         "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
+        "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
         "compiled": config["train_worker"]["compile"],
-        "tokens counted": "trained response tokens",
-        "tokens counted from": "metrics: response_len/mean x training_samples",
+        "tokens counted": TOKENS_COUNTED,
+        "tokens counted from": "step metrics: response_len/mean x batch_size",
     }
 
 
@@ -231,9 +247,11 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
         "trainer resident (no offload)": not config.vllm_enable_sleep_mode,
         "torch threads (CPU ops)": torch.get_num_threads(),
         "activation checkpointing": config.gradient_checkpointing,
+        "weights / compute dtype": f"{str(next(trainer.model.parameters()).dtype).removeprefix('torch.')} / "
+                                   f"{'bfloat16' if config.bf16 else 'float32'}",
         "compiled": config.torch_compile,
-        "tokens counted": "trained response tokens",
-        "tokens counted from": "reward function: len(completion_ids)",
+        "tokens counted": TOKENS_COUNTED,
+        "tokens counted from": "reward function: len(completion_ids) (cut after EOS)",
         "warm-up steps": WARMUP_STEPS,
     }
     vllm = __import__("vllm").__version__ if config.use_vllm else None
