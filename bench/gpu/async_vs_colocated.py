@@ -212,8 +212,12 @@ def run_settings(config, records: dict[int, dict], args: argparse.Namespace, hel
         "length mix (response caps)": f"lognormal mean {args.mean_len:g}, max {args.max_len}, sigma {args.sigma:g}",
         "prompts + caps digest": caps_digest(Path(config.train_dataset.path)),
         "rollout engine": rollout.backend,
+        "max new tokens, temperature": f"{rollout.max_new_tokens}, {rollout.temperature}",
+        "learning rate, KL coefficient": f"{config.optim.lr:g}, {config.loss.kl_coef:g}",
+        "train micro-batch tokens (pack_max_length)": config.train_worker.pack_max_length,
         "warm-up steps": args.warmup,
         "measured steps": f"{measured[0]}..{measured[-1]} ({len(measured)})" if measured else "none",
+        "tokens counted": "prompt + response tokens of every trained sample (metrics: training_tokens)",
         "trainer": config.trainer,
         "GPUs held": held_gpus or "none (CPU)",
         "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization if rollout.backend == "vllm" else "no vLLM",
@@ -232,7 +236,8 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
     window_start, window_end = gpus.reached(args.warmup), gpus.reached(max(records))
     wall = window_end - window_start
     tokens = sum(r["response/training_tokens"] for r in steady)
-    response_tokens = sum(r["response/response_len/mean"] * r["response/training_samples"] for r in steady)
+    # the response tokens (up to and including EOS) of the samples trained: the mean length times the samples it is over
+    response_tokens = sum(r["response/response_len/mean"] * r["response/batch_size"] for r in steady)
     held_gpus = 0 if args.smoke else 2 if args.mode == "disaggregated" and not args.share_one_gpu else args.workers
     last = records[max(records)]
     timings = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in steady[-1] if k.startswith(("time/", "timing/"))}
@@ -252,7 +257,7 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "samples_per_step": args.prompts * args.workers * args.group,
         "trained_tokens": tokens,
         "trained_response_tokens": response_tokens,
-        "response_len_mean": response_tokens / sum(r["response/training_samples"] for r in steady),
+        "response_len_mean": response_tokens / sum(r["response/batch_size"] for r in steady),
         "response_len_max": max(r["response/response_len/max"] for r in steady),
         "step_s_median": statistics.median(r["time/step"] for r in steady),
         "measured_wall_s": wall,
