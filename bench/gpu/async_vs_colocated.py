@@ -154,7 +154,9 @@ def run_config(work: Path, args: argparse.Namespace):
         rollout={
             "backend": "transformers" if smoke else "vllm",
             "max_new_tokens": args.max_len,
-            "gpu_memory_utilization": (0.85 if disaggregated and not args.share_one_gpu else 0.4) / args.rollout_workers,
+            # a colocated engine shares its GPU with the trainer; disaggregated engines split the rollout GPU(s)
+            "gpu_memory_utilization": (0.85 if disaggregated and not args.share_one_gpu else 0.4)
+            / (args.rollout_workers if disaggregated else 1),
             "runtime_env": {"env_vars": {"PYTHONPATH": f"{vllm_site}:${{PYTHONPATH}}"}} if vllm_site else None,
         },
         train_worker={"pack_max_length": 2 * args.max_len if not smoke else 512},

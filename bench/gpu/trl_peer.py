@@ -317,6 +317,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps = min(args.steps, WARMUP_STEPS + 2)
+    if args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--steps: {WARMUP_STEPS} warm-up steps and at least 2 measured ones")
+    if args.rounds < 2 and not args.trl_child:
+        parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated")
     args.out.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
