@@ -28,7 +28,10 @@ def with_spread(values: Iterable[float], spec: str = ".3f") -> str:
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    line = lambda row: "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()  # noqa: E731
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -46,7 +49,8 @@ def settings_table(settings: Mapping[str, Mapping[str, Any]], *, differ_by_desig
         elif all(cell == cells[0] for cell in cells):
             verdict = "equal"
         else:
-            verdict, _ = "NOT EQUAL", unequal.append(key)
+            verdict = "NOT EQUAL"
+            unequal.append(key)
         rows.append([key, *map(str, cells), verdict])
     return _table(["setting", *names, ""], rows), unequal
 
