@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -193,15 +194,8 @@ def weight_bytes(config) -> int:
     for shard in Path(config.load_from).glob("*.safetensors"):
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
-                total += _numel(handle.get_slice(name).get_shape())
+                total += math.prod(handle.get_slice(name).get_shape())
     return total * per_element
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def run_settings(config, records: dict[int, dict], args: argparse.Namespace, held_gpus: int) -> dict:
