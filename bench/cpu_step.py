@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _compare import spread, with_spread
+
 HERE = Path(__file__).resolve().parent
 WARMUP_STEPS = 3  # first steps pay for lazy init (worker spawn, allocator): not a steady-state step
 
@@ -51,7 +53,7 @@ def main() -> None:
             ("flow-prefect-defaults", "trellis_flow_step.py", 0, {"TRELLIS_BENCH_PREFECT_DEFAULTS": "1"}),
             ("trl", "trl_peer.py", WARMUP_STEPS, {}),
         )
-        results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": []} for name, _, _, _ in contestants}
+        results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": [], "round_medians": []} for name, _, _, _ in contestants}
         for round_index in range(args.rounds):
             for name, script, skip, env in contestants:
                 figures = run(script, model, data, args.steps, root / f"{name}-{round_index}.json", env)
@@ -59,19 +61,25 @@ def main() -> None:
                 results[name]["cpu"] += figures["cpu"][skip:]
                 results[name]["overhead"] += figures.get("overhead", [])
                 results[name]["rss"].append(figures["peak_rss_gb"])
-                print(f"round {round_index + 1} {name:21s} median {statistics.median(figures['wall'][skip:]):.3f} s/step", flush=True)
+                results[name]["round_medians"].append(statistics.median(figures["wall"][skip:]))
+                print(f"round {round_index + 1} {name:21s} median {with_spread(figures['wall'][skip:])} s/step", flush=True)
 
     medians = {name: statistics.median(r["wall"]) for name, r in results.items()}
     for name, r in results.items():
-        print(f"{name:21s} median {medians[name]:.3f} s/step   CPU {statistics.median(r['cpu']):.3f} CPU-s/step   "
-              f"RSS {max(r['rss']):.2f} GB (driver process)   steps timed {len(r['wall'])}")
+        print(f"{name:21s} median {with_spread(r['wall'])} s/step   CPU {with_spread(r['cpu'])} CPU-s/step   "
+              f"RSS {max(r['rss']):.2f} GB (driver process)")
     for name in ("trellis-flow", "flow-prefect-defaults"):
-        overhead = statistics.median(results[name]["overhead"])
-        print(f"{name}: orchestration overhead (workers idle, from Ray's timeline) {overhead:.3f} s/step")
-    print(f"lean_server_vs_prefect_defaults {medians['trellis-flow'] / medians['flow-prefect-defaults']:.3f}")
-    print(f"flow_vs_trl {medians['trellis-flow'] / medians['trl']:.3f}")
-    print(f"flow_vs_engine {medians['trellis-flow'] / medians['trellis']:.3f}")
-    print(f"ratio_vs_trl {medians['trellis'] / medians['trl']:.3f}")
+        print(f"{name}: orchestration overhead (workers idle, from Ray's timeline) {with_spread(results[name]['overhead'])} s/step")
+
+    def ratio(a: str, b: str, label: str) -> None:
+        """The ratio of the pooled medians, and beside it the spread of the rounds' own ratios."""
+        rounds = spread(x / y for x, y in zip(results[a]["round_medians"], results[b]["round_medians"]))
+        print(f"{label} {medians[a] / medians[b]:.3f}   (per round: {rounds['min']:.3f} .. {rounds['max']:.3f}, n={rounds['n']})")
+
+    ratio("trellis-flow", "flow-prefect-defaults", "lean_server_vs_prefect_defaults")
+    ratio("trellis-flow", "trl", "flow_vs_trl")
+    ratio("trellis-flow", "trellis", "flow_vs_engine")
+    ratio("trellis", "trl", "ratio_vs_trl")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from tasks.run_tasks import (
 # (every cross-field rule) on each step's flow run is CPU the workers' cores pay for.
 @flow(name="rl_step", flow_run_name="rl_step[step={step}]", persist_result=False, validate_parameters=False)
 def rl_step(config: TrellisConfig, plan: RunPlan, step: int, counters: RunCounters) -> StepOutcome:
-    return run_step(TaskPhases(config), plan_step(config, plan, step), counters)
+    return run_step(TaskPhases(config, plan.devices), plan_step(config, plan, step), counters)
 
 
 @flow(name="rl_run", flow_run_name="rl_run[{config.experiment_name}]", persist_result=False)
@@ -47,7 +47,7 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     with engine_warnings_in_run_log(config), failures_in_run_log(config) as attempt:
         plan = restore_checkpoint(config, resume, attach_workers(config))
         attempt.started = True
-        phases = TaskPhases(config)
+        phases = TaskPhases(config, plan.devices)
         metrics = run_initial_evaluation(phases, plan) or {}
         counters, step = plan.counters, plan.first_step
         if config.disaggregated and step <= plan.total_steps:

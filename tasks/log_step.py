@@ -8,16 +8,17 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 
 from engine.cluster.phases import ClusterPhases
 from engine.config import TrellisConfig
-from engine.run.metrics import StepRecord
+from engine.run.metrics import RunDevices, StepRecord
 from engine.run.step import Evaluation, Logged
 from tasks.artifacts import artifact_key, storage_link
 from tasks.step_tasks import RETRIED
 
 
 @task(name="log_step", task_run_name="log_step[step={step}]", **RETRIED)
-def log_step(config: TrellisConfig, step: int, record: StepRecord) -> Logged:
-    """Write the step's metrics to the trackers and Prefect artifacts; return them and the run counters."""
-    logged = ClusterPhases(config).log_step(step, record)
+def log_step(config: TrellisConfig, step: int, record: StepRecord, devices: RunDevices) -> Logged:
+    """Write the step's metrics to the trackers and Prefect artifacts; return them and the run counters.
+    ``devices``: the run plan's, which the per-device ``throughput/*`` divide by."""
+    logged = ClusterPhases(config).log_step(step, record, devices)
     create_table_artifact(
         key=artifact_key(config, "step-metrics"),
         table=[{"metric": k, "value": round(v, 6)} for k, v in sorted(logged.metrics.items())],

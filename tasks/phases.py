@@ -6,16 +6,17 @@ from __future__ import annotations
 from prefect.utilities.annotations import quote
 
 from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters, StepRecord
+from engine.run.metrics import RunCounters, RunDevices, StepRecord
 from engine.run.step import Batch, Evaluation, Logged, Pending, Prepared
 from tasks import log_step as log_tasks
 from tasks import step_tasks as tasks
 
 
 class TaskPhases:
-    def __init__(self, config: TrellisConfig) -> None:
+    def __init__(self, config: TrellisConfig, devices: RunDevices) -> None:
         # Quoted: Prefect would otherwise walk the whole config looking for futures on every task call.
         self._config = quote(config)
+        self._devices = devices  # the run plan's, for the per-device throughput/* of log_step
 
     def produce_batch(self, step: int) -> Batch:
         return tasks.produce_batch(self._config, step)
@@ -48,7 +49,7 @@ class TaskPhases:
         tasks.start_rollout(self._config, step)
 
     def log_step(self, step: int, record: StepRecord) -> Logged:
-        return log_tasks.log_step(self._config, step, record)
+        return log_tasks.log_step(self._config, step, record, self._devices)
 
     def commit_checkpoint(self, step: int, counters: RunCounters) -> str:
         return tasks.commit_checkpoint(self._config, step, counters)

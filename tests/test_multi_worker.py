@@ -4,6 +4,9 @@ controller spreads whole groups over the rollout workers, and the bundled task l
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import ray
 import torch
@@ -133,6 +136,71 @@ def test_two_ranks_and_two_rollout_workers_learn_the_bundled_task(tiny_model, re
     assert 0.3 <= metrics[0]["eval/accuracy"] <= 0.5 and metrics[50]["eval/accuracy"] >= 0.75, (metrics[0], metrics[50])
     assert SaveStore(config.checkpoint_uri).complete_steps() == [25, 50]
     assert is_sharded(f"{config.checkpoint_uri}/step-000050", {})
+
+
+@pytest.mark.parametrize(
+    "trainer, train, rollout, on_gpu, devices",
+    [
+        ("colocated", (2, 1.0), (2, 1.0), True, (2, 2)),  # a trainer rank and a rollout worker on each GPU
+        ("disaggregated", (1, 1.0), (2, 0.5), True, (1, 1)),  # two engines on one rollout GPU
+        ("disaggregated", (2, 1.0), (2, 2.0), True, (2, 4)),  # engines of two GPUs each
+        ("disaggregated", (2, 2.0), (3, 2.0), False, (2, 3)),  # on CPU it counts cores: a worker is one device
+    ],
+)
+def test_the_run_plan_counts_each_sides_devices(tiny_model, reverse_data, tmp_path, trainer, train, rollout, on_gpu, devices):
+    """What the per-device throughput/* divide by, from the config and where the workers landed."""
+    from engine.run.plan import WorkerFacts, run_devices
+
+    config = tiny_config(tiny_model, reverse_data, tmp_path, trainer=trainer,
+                         train_resources={"num_workers": train[0], "accelerators_per_worker": train[1]},
+                         rollout_resources={"num_workers": rollout[0], "accelerators_per_worker": rollout[1]})
+    facts = WorkerFacts(dataset_size=64, pad_token_id=0, train_report="", applied_step=0, holds_state=False,
+                        rollout_on_gpu=on_gpu, train_on_gpu=on_gpu)
+    resolved = run_devices(config, facts)
+    assert (resolved.train.devices, resolved.rollout.devices) == devices
+    assert (resolved.train.workers, resolved.rollout.workers) == (train[0], rollout[0])
+
+
+def test_throughput_per_device_divides_each_side_by_its_own_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
+    """2 trainer ranks and 3 rollout workers (unequal, so the two counts cannot stand in for each
+    other), 2 steps as Prefect flow runs. Every logged per-device figure must equal its total, from
+    the same step's logged counters, over that side's workers (as XTuner's throughput divides by each
+    side's worker count): trained tokens and samples over 2, produced ones over 3. Tried: the counts
+    not passed (every figure a whole-run total, the old behaviour), and the two sides' counts swapped."""
+    config = tiny_config(
+        tiny_model, reverse_data, tmp_path, experiment_name="per-device", total_train_steps=2, enable_evaluate=False,
+        enable_initial_evaluate=False, checkpoint_interval=-1,
+        train_resources={"num_workers": 2}, rollout_resources={"num_workers": 3},
+        cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 300},
+    )
+    started = time.time()
+    rl_train(config)
+    wall_s = time.time() - started
+    plan = json.loads((tmp_path / "per-device" / "logs" / "run_plan.json").read_text())
+    assert plan["devices"] == {"train": {"workers": 2, "devices_per_worker": 1.0}, "rollout": {"workers": 3, "devices_per_worker": 1.0}}
+    lines = (tmp_path / "per-device" / "logs" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        trained_tokens, trained_samples = r["response/training_tokens"], r["response/training_samples"]
+        assert trained_tokens > 0 and r["rollout/produced_tokens"] > 0
+        expected = {
+            "throughput/training_tgs": trained_tokens / r["time/fit"] / 2,
+            "throughput/effective_tgs": trained_tokens / r["time/step"] / 2,
+            "throughput/effective_sgs": trained_samples / r["time/step"] / 2,
+            "throughput/rollout_tgs": r["rollout/produced_tokens"] / r["time/rollout_window"] / 3,
+            "throughput/rollout_sgs": r["rollout/produced_samples"] / r["time/rollout_window"] / 3,
+        }
+        for name, value in expected.items():
+            assert r[name] == pytest.approx(value, rel=1e-9), (r["step"], name)
+    # The run-level figures: all tokens trained over the 2 ranks and the run's time so far, which lies
+    # between the steps' own times (on CPU a step's rollout starts in the step) and the flow's wall time.
+    last = records[-1]
+    tokens = sum(r["response/training_tokens"] for r in records)
+    samples = sum(r["response/training_samples"] for r in records)
+    e2e_s = tokens / last["throughput/e2e_effective_tgs"] / 2
+    assert sum(r["time/step"] for r in records) <= e2e_s <= wall_s
+    assert samples / last["throughput/e2e_effective_sgs"] / 2 == pytest.approx(e2e_s, rel=1e-9)
 
 
 def test_a_trainer_rank_killed_mid_run_is_rebuilt_with_its_group_and_the_run_resumes(

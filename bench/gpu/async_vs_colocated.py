@@ -1,45 +1,52 @@
 """The disaggregated asynchronous trainer against the colocated one, on the GPUs of one machine, with
 response lengths that have a long tail.
 
-Same model (random-init Qwen2-0.5B shape, bf16 rollout on vLLM), same prompts, same steps, both as
-Prefect flows on a local Ray cluster that trellis starts:
+Same model (random-init Qwen2-0.5B shape, bf16 rollout on vLLM), same prompts, same length mix, same
+warm-up and measured steps, both as Prefect flows on a local Ray cluster that trellis starts:
 
 - ``colocated``: trainer and rollout share one GPU; with ``--workers N``, N GPUs each hold a trainer rank
   (one FSDP2 group over NCCL) and a rollout worker, and the batch grows N-fold (same batch per GPU);
 - ``disaggregated``: 1 trainer GPU + 1 rollout GPU, ``max_staleness`` 1, partial rollout on; weights
   go trainer -> rollout over NCCL.
 
+The modes run alternately (A B A B: ``--rounds`` of each), each run in its own process on a fresh
+cluster; every figure is its median over the rounds with the spread (min .. max) beside it. First,
+the settings each run read back from its own config and metrics are printed side by side and checked
+equal (model, prompts, samples, length mix, warm-up and measured steps): one that differs fails the bench.
+
 Each prompt caps its response at a length drawn from a lognormal (mean ~1k tokens, at most 8k), the
 dataset's ``max_new_tokens`` column; the random model never stops by itself, so every response runs
-to its cap and the tail is real. Reported per mode: trained tokens per second end to end (after the
-warm-up steps, and trellis's own ``throughput/e2e_effective_tgs`` over the whole run), the same per
-GPU held, step time, the weight-sync pause, each GPU's idle fraction (NVML utilization sampled every
-0.2 s over the measured steps), and for the asynchronous run the staleness of every trained token
-(from the trajectory lake).
+to its cap and the tail is real. Reported per mode: trained tokens per second over the measured
+steps (after the warm-up), the same per GPU held, step time, the weight-sync pause, each GPU's idle
+fraction (NVML utilization sampled every 0.2 s over the measured steps), and for the asynchronous
+run the staleness of every trained token (from the trajectory lake).
 
-    python bench/gpu/async_vs_colocated.py OUT_DIR --mode colocated|disaggregated [--steps 6] [--warmup 2]
-        [--prompts 32] [--share-one-gpu] [--workers N] [--shape 0.5b|1.5b] [--smoke]
+The trained lengths differ: the producer hands over groups in the order they end, so the first
+batches of an asynchronous run hold the short responses and the long ones arrive steps later. The
+figures are therefore normalised by trained tokens (tokens/s, never steps/s), and the trained
+response length of both modes is printed beside them; ``--sigma 0`` gives every response the same
+length, so both train the same lengths.
 
-Scaling over GPUs: ``--mode colocated --workers 2`` against ``--workers 1`` (``--sigma 0`` gives every
-response the same length, so both see the same work per GPU).
+    python bench/gpu/async_vs_colocated.py OUT_DIR [--mode both|colocated|disaggregated] [--rounds 2]
+        [--steps 6] [--warmup 2] [--prompts 32] [--share-one-gpu] [--workers N] [--shape 0.5b|1.5b] [--smoke]
 
-Mind the warm-up: the producer hands over groups in the order they end, so the first batches of an
-asynchronous run hold the short responses and the long ones arrive steps later. Compare the trained
-``response_len_mean`` of the two modes before comparing their tokens per second.
+Scaling over GPUs: ``--mode colocated --workers 2`` against ``--workers 1`` (``--sigma 0``).
 
-``--smoke`` runs the same code on CPU with the tiny model, the transformers backend and short caps.
+``--smoke``: the same code on CPU (tiny model, transformers backend, short caps, small batch).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +54,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for _compare
 
+from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+
+use_lean_temporary_server()  # before Prefect is imported: each run starts its temporary server as the CLI does
+
+from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
 from engine_steps import random_qwen2_05b  # noqa: E402
 from process_exit import exit_now  # noqa: E402
+from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: E402
 
 from engine.cluster.head import stop_head  # noqa: E402
 from engine.config.loading import load_config  # noqa: E402
 from engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
 from engine.tiny.reverse_task import write_dataset  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
+
+MODES = ("colocated", "disaggregated")
+
 
 def long_tail_caps(count: int, *, mean: float, cap: int, sigma: float, seed: int) -> list[int]:
     """Per-prompt response caps from a lognormal of the given mean, clipped to [16, cap]."""
@@ -112,18 +129,6 @@ class Sampler:
         self._stop.set()
 
 
-def staleness_histogram(run_uri: str) -> dict[str, dict[int, int]]:
-    """Trained tokens and samples by staleness (train step - 1 - version of the token)."""
-    tokens, samples = Counter(), Counter()
-    for part in Path(run_uri, "trajectories", "split=train").glob("*/part-*.parquet"):
-        table = pq.read_table(part, columns=["train_step", "response_versions"]).to_pylist()
-        for row in table:
-            ages = [row["train_step"] - 1 - v for v in row["response_versions"]]
-            tokens.update(ages)
-            samples[max(ages) if ages else 0] += 1
-    return {"tokens": dict(sorted(tokens.items())), "samples_by_oldest_token": dict(sorted(samples.items()))}
-
-
 def run_config(work: Path, args: argparse.Namespace):
     smoke = args.smoke
     if smoke:
@@ -139,7 +144,7 @@ def run_config(work: Path, args: argparse.Namespace):
         load_from=str(model),
         train_dataset={"path": str(data), "max_prompt_length": 64},
         work_dir=str(work / "runs"),
-        experiment_name=f"{args.mode}-{int(time.time())}",
+        experiment_name=f"{args.mode}-round{args.round}-{int(time.time())}",
         total_train_steps=args.steps,
         train_batch_size=args.prompts * args.workers,
         prompt_repeat_k=args.group,
@@ -150,11 +155,13 @@ def run_config(work: Path, args: argparse.Namespace):
         rollout={
             "backend": "transformers" if smoke else "vllm",
             "max_new_tokens": args.max_len,
-            "gpu_memory_utilization": (0.85 if disaggregated and not args.share_one_gpu else 0.4) / args.rollout_workers,
+            # a colocated engine shares its GPU with the trainer; disaggregated engines split the rollout GPU(s)
+            "gpu_memory_utilization": (0.85 if disaggregated and not args.share_one_gpu else 0.4)
+            / (args.rollout_workers if disaggregated else 1),
             "runtime_env": {"env_vars": {"PYTHONPATH": f"{vllm_site}:${{PYTHONPATH}}"}} if vllm_site else None,
         },
         train_worker={"pack_max_length": 2 * args.max_len if not smoke else 512},
-        cluster={"home": str(work / "cluster"), "release_workers_at_end": True, "flow_retries": 0},
+        cluster={"home": str(work / "cluster"), "head_port": free_port(), "release_workers_at_end": True, "flow_retries": 0},
     )
     if disaggregated:
         settings.update(
@@ -171,6 +178,13 @@ def run_config(work: Path, args: argparse.Namespace):
     return load_config(None, **settings)
 
 
+def free_port() -> int:
+    """A port for this run's own Ray head (another cluster on the machine may hold Ray's default)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def weight_bytes(config) -> int:
     """Bytes of the weights one sync sends: bf16 to vLLM, float32 to a CPU rollout."""
     from safetensors import safe_open
@@ -180,15 +194,37 @@ def weight_bytes(config) -> int:
     for shard in Path(config.load_from).glob("*.safetensors"):
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
-                total += _numel(handle.get_slice(name).get_shape())
+                total += math.prod(handle.get_slice(name).get_shape())
     return total * per_element
 
 
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def run_settings(config, records: dict[int, dict], args: argparse.Namespace, held_gpus: int) -> dict:
+    """What the run really ran with, read back from its own config and metrics."""
+    measured = [s for s in sorted(records) if s > args.warmup]
+    rollout = config.rollout
+    return {
+        "model (weights digest)": f"{Path(config.load_from).name} ({weights_digest(Path(config.load_from))})",
+        "prompts x samples per step": f"{config.train_batch_size} x {config.prompt_repeat_k}",
+        "length mix (response caps)": f"lognormal mean {args.mean_len:g}, max {args.max_len}, sigma {args.sigma:g}",
+        "prompts + caps digest": caps_digest(Path(config.train_dataset.path)),
+        "rollout engine": rollout.backend,
+        "max new tokens, temperature": f"{rollout.max_new_tokens}, {rollout.temperature}",
+        "learning rate, KL coefficient": f"{config.optim.lr:g}, {config.loss.kl_coef:g}",
+        "train micro-batch tokens (pack_max_length)": config.train_worker.pack_max_length,
+        "warm-up steps": args.warmup,
+        "measured steps": f"{measured[0]}..{measured[-1]} ({len(measured)})" if measured else "none",
+        "tokens counted": "prompt + response tokens of every trained sample (metrics: training_tokens)",
+        "trainer": config.trainer,
+        "GPUs held": held_gpus or "none (CPU)",
+        "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization if rollout.backend == "vllm" else "no vLLM",
+    }
+
+
+DIFFER_BY_DESIGN = {
+    "trainer": "the two trainers compared",
+    "GPUs held": "each mode holds what it needs",
+    "vLLM gpu_memory_utilization": "a colocated engine shares its GPU with the trainer",
+}
 
 
 def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, args: argparse.Namespace) -> dict:
@@ -196,13 +232,18 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
     window_start, window_end = gpus.reached(args.warmup), gpus.reached(max(records))
     wall = window_end - window_start
     tokens = sum(r["response/training_tokens"] for r in steady)
-    held_gpus = 2 if args.mode == "disaggregated" and not args.share_one_gpu else args.workers
+    # the response tokens (up to and including EOS) of the samples trained: the mean length times the samples it is over
+    response_tokens = sum(r["response/response_len/mean"] * r["response/batch_size"] for r in steady)
+    held_gpus = 0 if args.smoke else 2 if args.mode == "disaggregated" and not args.share_one_gpu else args.workers
     last = records[max(records)]
     timings = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in steady[-1] if k.startswith(("time/", "timing/"))}
+    idle = gpus.idle_fraction(window_start, window_end)
     return {
         "mode": args.mode + (" (both sides on one GPU)" if args.share_one_gpu and args.mode == "disaggregated" else ""),
+        "round": args.round,
+        "settings": run_settings(config, records, args, held_gpus),
         "gpus_held": held_gpus,
-        "model_shape": args.shape,
+        "model_shape": "tiny (smoke)" if args.smoke else args.shape,
         "rollout_workers": args.workers if args.mode == "colocated" else args.rollout_workers,
         "train_peak_gib_per_rank": max((r.get("memory/train_peak_gib", 0.0) for r in steady), default=None),
         "weight_bytes": weight_bytes(config),
@@ -210,12 +251,15 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "warmup_steps": args.warmup,
         "measured_steps": len(steady),
         "samples_per_step": args.prompts * args.workers * args.group,
-        "response_len_mean": statistics.mean(r["response/response_len/mean"] for r in steady),
+        "trained_tokens": tokens,
+        "trained_response_tokens": response_tokens,
+        "response_len_mean": response_tokens / sum(r["response/batch_size"] for r in steady),
         "response_len_max": max(r["response/response_len/max"] for r in steady),
         "step_s_median": statistics.median(r["time/step"] for r in steady),
         "measured_wall_s": wall,
         "trained_tokens_per_s": tokens / wall,
-        "trained_tokens_per_s_per_gpu": tokens / wall / held_gpus,
+        "trained_response_tokens_per_s": response_tokens / wall,
+        "trained_tokens_per_s_per_gpu": tokens / wall / held_gpus if held_gpus else None,
         "e2e_effective_tgs_whole_run": last["throughput/e2e_effective_tgs"],
         "run_wall_s": time.time() - started,
         "timings_median_s": timings,
@@ -224,33 +268,34 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         # the producer stands still from the start of its pause to its continue (no save or eval here)
         "producer_paused_s_median": sum(timings.get(f"time/{p}", 0.0) for p in ("pause_produce", "sync_weights", "continue_produce"))
         if args.mode == "disaggregated" else None,
-        "gpu_idle_fraction": gpus.idle_fraction(window_start, window_end),
+        "gpu_idle_fraction": idle,
+        "gpu_idle_fraction_mean": statistics.mean(idle) if idle else None,
         "mismatch_k3_median": statistics.median(r["mismatch/k3_kl"] for r in steady) if "mismatch/k3_kl" in steady[0] else None,
         "async": {k: last[k] for k in last if k.startswith("async/")},
         "staleness": staleness_histogram(config.run_uri) if args.mode == "disaggregated" else None,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--mode", choices=("colocated", "disaggregated"), required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the measured window")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--mean-len", type=float, default=1024)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend")
-    parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
-    parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
-    parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")
-    parser.add_argument("--rollout-workers", type=int, default=1, help="disaggregated: vLLM engines sharing the rollout GPU(s)")
-    args = parser.parse_args()
-    if args.smoke:
-        args.mean_len, args.max_len = min(args.mean_len, 8), min(args.max_len, 24)
-    args.out.mkdir(parents=True, exist_ok=True)
+FIGURES = {  # printed for every mode, median over the rounds with the spread beside it
+    "trained_tokens_per_s": ",.0f",
+    "trained_tokens_per_s_per_gpu": ",.0f",
+    "trained_response_tokens_per_s": ",.0f",
+    "trained_tokens": ",.0f",
+    "trained_response_tokens": ",.0f",
+    "response_len_mean": ",.1f",
+    "response_len_max": ",.0f",
+    "step_s_median": ".2f",
+    "measured_wall_s": ".1f",
+    "weight_sync_s_median": ".3f",
+    "producer_paused_s_median": ".3f",
+    "gpu_idle_fraction_mean": ".2f",
+    "mismatch_k3_median": ".2e",
+}
+
+
+def run_one(args: argparse.Namespace) -> None:
+    """One run of one mode, in this (child) process; its summary goes to ``args.result``."""
+    args.mode = args.child
     work = Path(os.environ.get("TRELLIS_BENCH_WORK", "/tmp/trellis-gpu/async"))
     work.mkdir(parents=True, exist_ok=True)
     config = run_config(work, args)
@@ -264,10 +309,85 @@ def main() -> None:
     finally:
         gpus.close()
         stop_head(config.cluster)
-    print(json.dumps(summary, indent=1), flush=True)
+    args.result.write_text(json.dumps(summary, indent=1))
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Every mode ``--rounds`` times, alternated, each run in a child process; then the settings side by
+    side (checked equal) and every figure's median with its spread."""
+    modes = MODES if args.mode == "both" else (args.mode,)
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    order = alternated(modes, args.rounds)
+    print("order:", " ".join(f"{mode}[{round_}]" for round_, mode in order), flush=True)
+    for round_, mode in order:
+        result = args.out / f"run_{mode}_{round_}.json"
+        command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", mode, "--round", str(round_),
+                   "--result", str(result)]
+        with open(args.out / f"run_{mode}_{round_}.log", "w") as log:
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        runs[mode].append(json.loads(result.read_text()))
+        r = runs[mode][-1]
+        print(f"round {round_} {mode:13s} trained tokens/s {r['trained_tokens_per_s']:,.0f}  step median {r['step_s_median']:.2f} s  "
+              f"trained response len {r['response_len_mean']:.1f}  trained tokens {r['trained_tokens']:,.0f}", flush=True)
+
+    columns = {f"{mode}[{r['round']}]": r["settings"] for mode in modes for r in runs[mode]}
+    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN)
+    print("\nsettings, as each run's own config and metrics say:\n" + table)
+    figures = {mode: {k: [r[k] for r in runs[mode] if r.get(k) is not None] for k in FIGURES} for mode in modes}
+    print("\nfigures (tokens/s = trained tokens, prompt + response of every trained sample, over the wall time of the "
+          "measured steps: normalised by trained tokens, as the trained lengths differ):\n" + figures_table(figures, FIGURES))
+    summary = {"order": [f"{mode}[{round_}]" for round_, mode in order], "unequal_settings": unequal, "runs": runs,
+               "figures": {mode: {k: spread(v) for k, v in f.items() if v} for mode, f in figures.items()}}
+    if len(modes) == 2:
+        ratios = [d["trained_tokens_per_s"] / c["trained_tokens_per_s"] for c, d in zip(runs["colocated"], runs["disaggregated"])]
+        summary["disaggregated_vs_colocated_trained_tokens_per_s"] = spread(ratios)
+        s = spread(ratios)
+        print(f"\ndisaggregated / colocated, trained tokens/s, round by round: median {s['median']:.2f}x "
+              f"({s['min']:.2f}x .. {s['max']:.2f}x, n={s['n']})")
+    if unequal:
+        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the runs.")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mode", choices=("both", *MODES), default="both", help="both: the two modes alternated")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternated")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the measured window")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--mean-len", type=float, default=1024)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend, small batch")
+    parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
+    parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
+    parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")
+    parser.add_argument("--rollout-workers", type=int, default=1, help="disaggregated: vLLM engines sharing the rollout GPU(s)")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.mean_len, args.max_len = min(args.mean_len, 8), min(args.max_len, 24)
+        args.prompts, args.group, args.steps = min(args.prompts, 8), min(args.group, 4), min(args.steps, 5)
+    if args.steps <= args.warmup:
+        parser.error("--steps must be more than --warmup")
+    if args.rounds < (2 if args.mode == "both" else 1):
+        parser.error("--rounds: a comparison needs at least two rounds of each mode, alternated")
+    if args.child:
+        run_one(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = compare(args)
     suffix = ("_one_gpu" if args.share_one_gpu else "") + (f"_{args.workers}_workers" if args.workers > 1 else "")
     suffix += f"_{args.rollout_workers}_engines" if args.rollout_workers > 1 else ""
+    suffix += "_smoke" if args.smoke else ""
     (args.out / f"async_vs_colocated_{args.mode}{suffix}_{args.shape}.json").write_text(json.dumps(summary, indent=1))
+    if summary["unequal_settings"]:
+        exit_now(1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Weights are random, so rewards are ~0: this measures rollout and training token 
 same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
 
     python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256] [--backend vllm]
-        [--resident-trainer] [--compile]
+        [--resident-trainer] [--compile] [--vllm-memory 0.4] [--lr LR] [--model DIR] [--torch-threads N] [--warmup 1]
+
+On a machine without a GPU (``--backend transformers --model DIR`` with a small model) it runs on CPU.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096, shape: str
 
 
 def step_config(work: Path, args: argparse.Namespace, **changes):
-    """The measured step: the random model, ``args.prompts`` x ``args.group`` samples, 8k packs."""
-    model_dir = work / "qwen2-05b-random"
+    """The measured step: the random model (or ``--model``), ``args.prompts`` x ``args.group`` samples, 8k packs."""
+    model_dir = args.model or work / "qwen2-05b-random"
     if not (model_dir / "config.json").exists():
         random_qwen2_05b(build_tokenizer(), model_dir)
     data = work / "train.parquet"
     if not data.exists():
         write_dataset(data, 2048, seed=0)
-    rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": 0.4}
+    rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory}
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
@@ -70,6 +72,10 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         work_dir=str(work / "runs"),
         exp_tracker="jsonl",
     )
+    if args.lr is not None:
+        settings["optim"] = {"lr": args.lr}
+    if args.torch_threads is not None:
+        settings["cluster"] = {"torch_threads": args.torch_threads}
     return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
 
 
@@ -83,13 +89,30 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
     parser.add_argument("--compile", action="store_true", help="train_worker.compile=true")
+    parser.add_argument("--vllm-memory", type=float, default=0.4, help="rollout.gpu_memory_utilization")
+    parser.add_argument("--lr", type=float, help="optim.lr (default: the config's)")
+    parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
+    parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
 
 
 def step_argv(args: argparse.Namespace) -> list[str]:
     """``add_step_arguments``' values back as command-line words, to run this script with them."""
     argv = [str(args.out), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-            "--new-tokens", str(args.new_tokens), "--backend", args.backend]
+            "--new-tokens", str(args.new_tokens), "--backend", args.backend, "--vllm-memory", str(args.vllm_memory)]
+    argv += ["--lr", str(args.lr)] if args.lr is not None else []
+    argv += ["--model", str(args.model)] if args.model is not None else []
+    argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
+
+
+def run_settings(config) -> dict:
+    """The settings of the measured step that a comparison with another trainer must match."""
+    return config.model_dump(mode="json", include={
+        "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
+        "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature"},
+        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"},
+        "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype"},
+    })
 
 
 def result_path(args: argparse.Namespace) -> Path:
@@ -100,7 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_step_arguments(parser, steps=3, backend="transformers")
     parser.add_argument("--track", action="store_true", help="write trajectories and metrics, as the flow does")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     args = parser.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and less than --steps")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu")
     config = step_config(work, args)
@@ -109,15 +135,19 @@ def main() -> None:
         for _ in range(args.steps):
             reports.append(run.train_step().metrics)
             print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
-    steady = reports[1:] or reports
+    steady = reports[args.warmup:]
+    on_gpu = torch.cuda.is_available()
     summary = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        "settings": run_settings(config),
         "samples_per_step": args.prompts * args.group,
+        "warmup_steps": args.warmup,
+        "measured_steps": len(steady),
         "rollout_tokens_per_s": statistics.median(r["throughput/rollout_tgs"] for r in steady),
         "training_tokens_per_s": statistics.median(r["throughput/training_tgs"] for r in steady),
         "step_s": statistics.median(r["time/step"] for r in steady),
         "response_len_mean": statistics.median(r["response/response_len/mean"] for r in steady),
-        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "steps": reports,
     }
     summary["backend"] = args.backend

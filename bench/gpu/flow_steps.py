@@ -3,7 +3,8 @@ orchestration costs.
 
 Same machine, same config, one after the other:
 1. ``engine_steps.py --track`` in a child process (so its GPU memory is freed at exit): the steps in
-   one process with no Prefect or Ray, writing trajectories and metrics as the flow does;
+   one process with no Prefect or Ray, writing trajectories and metrics as the flow does, with the
+   flow's warm-up (2 steps) and as many measured steps as one flow run below measures;
 2. ``rl_train`` on a fresh local Ray head. The trainer and rollout actors split the GPU and weights
    move between them through CUDA IPC. A first flow run warms the workers up and keeps them; then
    flow runs of ``--steps`` steps each re-attach to them, alternately with each step's rollout
@@ -16,6 +17,7 @@ timeline): the GPU workers waited on Prefect and the driver. Also reported: 1 - 
 flow step, and a weight sync between the live actors timed on its own.
 
     python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--compile]
+        [--early-launch-only] [engine_steps.py's other options: --vllm-memory, --lr, --model ...]
 """
 
 from __future__ import annotations
@@ -33,9 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trellis_flow_step's helpers
 
+from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+
+use_lean_temporary_server()  # before Prefect is imported (below), which reads its client settings then
+
 import ray  # noqa: E402
 import torch  # noqa: E402
-from engine_steps import add_step_arguments, result_path, step_argv, step_config  # noqa: E402
+from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
@@ -50,7 +56,11 @@ WORK = Path("/tmp/trellis-gpu")
 
 
 def in_process_steps(args: argparse.Namespace) -> dict:
-    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(args), "--track"]
+    """engine_steps.py with the flow's warm-up and number of measured steps: ``WARMUP_STEPS`` left out,
+    then as many as one flow run of ``--steps`` measures (its last step has no successor start)."""
+    same_steps = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.steps - 1})
+    command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(same_steps), "--track",
+               "--warmup", str(WARMUP_STEPS)]
     env = dict(os.environ)
     if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
         env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
@@ -79,11 +89,13 @@ def flow_steps(args: argparse.Namespace) -> dict:
             config = step_config(
                 WORK, args, total_train_steps=WARMUP_STEPS, work_dir=tmp, experiment_name="flow_bench",
                 rollout={"runtime_env": runtime_env},
-                cluster={"address": address, "release_workers_at_end": False, "torch_threads": 4},
+                cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4,
+                         "home": str(WORK / "cluster")},  # its token file, not the user's ~/.trellis
             )
             rl_train(config)
             since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
-            for overlap in (True, False) * args.rounds:
+            launches = (True,) if args.early_launch_only else (True, False)
+            for overlap in launches * args.rounds:
                 total += args.steps
                 cluster = config.cluster.model_copy(update={"overlap_next_rollout": overlap})
                 rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
@@ -96,6 +108,8 @@ def flow_steps(args: argparse.Namespace) -> dict:
             RunWorkers(config).release()
         modes = {}
         for overlap, steps in measured.items():
+            if not steps:  # --early-launch-only
+                continue
             wall = [starts[s + 1] - starts[s] for s in steps]
             idle = [idle_seconds(spans, starts[s], starts[s + 1]) for s in steps]
             modes["overlap" if overlap else "in_step"] = {
@@ -108,6 +122,9 @@ def flow_steps(args: argparse.Namespace) -> dict:
         every = measured[True] + measured[False]
         return {
             "gpus_in_cluster": gpus,
+            "settings": run_settings(config),
+            "warmup_steps": WARMUP_STEPS,
+            "measured_steps_per_flow_run": args.steps - 1,
             "modes": modes,
             "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in every)
             if "mismatch/k3_kl" in records[every[0]] else None,
@@ -124,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_step_arguments(parser, steps=5, backend="vllm")
     parser.add_argument("--rounds", type=int, default=2, help="flow runs of each kind, alternated")
+    parser.add_argument("--early-launch-only", action="store_true", help="only the default: each rollout launched early")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     local = in_process_steps(args)

@@ -2,22 +2,41 @@
 
 Both train the same random Qwen2-0.5B-shaped model on the bundled task with the same batch: 32 prompts
 x 8 samples = 256 completions of up to 256 new tokens per optimizer step, fp32 master weights under
-bf16 autocast, no KL term, vLLM for generation, the trainer resident (no sleep mode, no offload).
+bf16 autocast, no KL term, the same learning rate and temperature, vLLM for generation with the same
+``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident (no sleep
+mode, no offload), the same torch threads (``--torch-threads``) in every process that computes. Three
+contestants:
 
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,
-  ``vllm_gpu_memory_utilization=0.3``, ``vllm_enable_sleep_mode=False``, run in a child process;
-- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer [--compile]``: the in-process engine step,
-  then the Prefect flow on a fresh local Ray cluster (trainer and rollout actors sharing the GPU);
-  ``--trellis-compile`` turns on ``train_worker.compile`` (TRL keeps its defaults).
+  ``vllm_enable_sleep_mode=False``, ``gradient_checkpointing=False`` (TRL's GRPO default recomputes
+  activations; trellis's does not), not compiled (TRL's default), in a child process;
+- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only``, not compiled:
+  the in-process engine step, then the Prefect flow on a fresh local Ray cluster (trainer and rollout
+  actors sharing the GPU);
+- ``trellis-compiled``: the same with ``train_worker.compile: true``.
 
-Contestants run one after the other (``--order``), each in its own process, so each starts on a free
-GPU. For each: the median step wall time after warm-up, ``e2e_effective_tgs`` = tokens trained (prompt
-+ response) over the measured steps / their wall time, and the peak GPU memory the device reported
-(``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for both).
+They run alternately, ``--rounds`` times (trl, trellis, trellis-compiled, trl, ...), each in its own
+process, so each starts on a free GPU. The settings each side really ran with (read back from its own
+records) are printed side by side and checked equal first. Figures per contestant, as the median over
+the rounds with the spread (min .. max) beside it: the median step wall time after the warm-up (2 steps
+on each side: trellis's warm-up flow run, TRL's first two steps; the settings table reads it back from
+each side's output); trained response tokens per second = the response tokens, up to and including
+EOS, of every sample each side trained in the measured steps, counted the same way from each side's
+own records (TRL: the length of every completion's ``completion_ids``, cut after its EOS as TRL's
+completion mask is, summed in the reward function; trellis: ``response/response_len/mean`` x
+``response/batch_size``, the samples that mean is over), over the sum of those steps' wall times;
+trellis's in-process step is measured over the same warm-up and number of steps as its flow; the
+peak GPU memory the device reported (``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for
+both). A step's wall time is TRL's ``on_step_begin`` to ``on_step_end``, trellis's from one ``rl_step``
+flow run's start to the next one's (everything the user waits for, so it can only favour TRL; trellis
+runs one step more than it measures, whose start ends the last measured one).
 
-    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--order trl,trellis] [--trellis-compile]
+    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--rounds 2] [--order trl,trellis,trellis-compiled]
+        [--vllm-memory 0.3] [--smoke]
 
-writes OUT_DIR/h200_trl_peer.json.
+writes OUT_DIR/h200_trl_peer.json (``--smoke``: cpu_smoke_trl_peer.json). ``--trellis-compile``, the
+old spelling, makes ``trellis`` in ``--order`` the compiled one. ``--smoke`` runs on CPU: the tiny
+model, the transformers rollout on both sides (no vLLM), 4 x 4 samples of 8 tokens, 4 steps.
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,17 +53,30 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
+sys.path.insert(0, str(HERE))
+from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
+from run_facts import files_digest, weights_digest  # noqa: E402
+
 WORK = Path("/tmp/trellis-gpu")
 WARMUP_STEPS = 2
+CONTESTANTS = ("trl", "trellis", "trellis-compiled")
+# A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
+GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
+SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
+TOKENS_COUNTED = "response tokens up to and including EOS, of every trained sample"
+DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records"}
 
 
 class PeakGpuMemory:
-    """The most device memory in use (MiB) while the block runs, as nvidia-smi reports it."""
+    """The most device memory in use (MiB) while the block runs, as nvidia-smi reports it (None without one)."""
 
     def __enter__(self) -> PeakGpuMemory:
-        self.peak_mib, self._done = 0, threading.Event()
+        self.peak_mib: int | None = 0 if shutil.which("nvidia-smi") else None
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if self.peak_mib is not None:
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
@@ -55,13 +88,22 @@ class PeakGpuMemory:
 
     def __exit__(self, *_) -> None:
         self._done.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
-def run_child(command: list[str], log: Path, env: dict[str, str]) -> float:
+def run_child(command: list[str], log: Path, env: dict[str, str]) -> float | None:
     with PeakGpuMemory() as memory, open(log, "w") as handle:
         subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    return memory.peak_mib / 1024
+    return memory.peak_mib / 1024 if memory.peak_mib is not None else None
+
+
+def shared(args: argparse.Namespace) -> dict:
+    return SMOKE if args.smoke else GPU
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    return WORK / ("tiny-model" if args.smoke else "qwen2-05b-random")
 
 
 def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
@@ -69,143 +111,268 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
     env = dict(os.environ)
     if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in TRL's own process
         env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
-    command = [sys.executable, str(Path(__file__)), str(args.out), "--trl-child", str(out), "--steps", str(args.steps)]
+    command = [sys.executable, str(Path(__file__)), str(args.out), "--trl-child", str(out), "--steps", str(args.steps),
+               "--vllm-memory", str(args.vllm_memory), "--torch-threads", str(args.torch_threads)] + (["--smoke"] if args.smoke else [])
     peak_gib = run_child(command, args.out / f"trl_{round_}.log", env)
     result = json.loads(out.read_text())
     measured = slice(WARMUP_STEPS, None)
-    wall, tokens = result["step_s"][measured], result["tokens"][measured]
-    return {"step_s": statistics.median(wall), "steps_s": result["step_s"], "e2e_effective_tgs": sum(tokens) / sum(wall),
-            "completion_len_mean": statistics.mean(result["completion_len"][measured] or [float("nan")]), "peak_gpu_gib": peak_gib,
-            "trl": result["versions"]}
+    wall, tokens = result["step_s"][measured], result["response_tokens"][measured]
+    return {"step_s": statistics.median(wall), "steps_s": result["step_s"], "trained_response_tokens": sum(tokens),
+            "trained_response_tokens_per_s": sum(tokens) / sum(wall), "response_len_mean": sum(tokens) / sum(result["completions"][measured]),
+            "peak_gpu_gib": peak_gib, "settings": {**result["settings"], "measured steps": len(wall)}, "trl": result["versions"]}
 
 
-def trellis_contestant(args: argparse.Namespace, round_: int) -> dict:
-    out = args.out / f"trellis_{round_}"
-    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--backend", "vllm", "--resident-trainer",
-               "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1"] + (["--compile"] if args.trellis_compile else [])
-    peak_gib = run_child(command, args.out / f"trellis_{round_}.log", dict(os.environ))
-    result = json.loads((out / "flow_steps_vllm.json").read_text())
+def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
+    out = args.out / f"trellis{'_compiled' if compiled else ''}_{round_}"
+    step = shared(args)
+    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--resident-trainer", "--early-launch-only",
+               "--backend", "transformers" if args.smoke else "vllm", "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1",
+               "--prompts", str(step["prompts"]), "--group", str(step["group"]), "--new-tokens", str(step["new_tokens"]),
+               "--vllm-memory", str(args.vllm_memory), "--lr", str(step["lr"]), "--model", str(model_dir(args)),
+               "--torch-threads", str(args.torch_threads)]
+    peak_gib = run_child(command + (["--compile"] if compiled else []), args.out / f"{out.name}.log", dict(os.environ))
+    result = json.loads((out / f"flow_steps_{'transformers' if args.smoke else 'vllm'}.json").read_text())
     flow = result["modes"]["overlap"]
     records = {r["step"]: r for r in result["flow_steps"]}
-    # flow_steps measures the overlap round's steps first; their records follow in step order
-    steps = sorted(records)[: len(flow["steps_s"])]
-    tokens = [records[s]["throughput/effective_tgs"] * records[s]["time/step"] for s in steps]
-    engine = json.loads((out / "engine_steps_vllm_resident.json").read_text())
-    engine_tokens = [r["throughput/effective_tgs"] * r["time/step"] for r in engine["steps"][1:]]
-    engine_wall = [r["time/step"] for r in engine["steps"][1:]]
-    return {"step_s": flow["step_s"], "steps_s": flow["steps_s"], "e2e_effective_tgs": sum(tokens) / sum(flow["steps_s"]),
-            "workers_idle_fraction": flow["workers_idle_fraction"],
-            "response_len_mean": statistics.mean(records[s]["response/response_len/mean"] for s in steps),
-            "in_process_step_s": engine["step_s"], "in_process_e2e_effective_tgs": sum(engine_tokens) / sum(engine_wall),
-            "peak_gpu_gib": peak_gib}
+    steps = sorted(records)[: len(flow["steps_s"])]  # the measured steps; each has a successor whose start ends it
+    tokens = [trained_response_tokens(records[s]) for s in steps]
+    samples = sum(records[s]["response/batch_size"] for s in steps)
+    engine = json.loads((out / f"engine_steps_{'transformers' if args.smoke else 'vllm'}_resident.json").read_text())
+    engine_steps = engine["steps"][engine["warmup_steps"]:]  # the flow's warm-up, and as many measured steps
+    engine_tokens = [trained_response_tokens(r) for r in engine_steps]
+    engine_wall = [r["time/step"] for r in engine_steps]
+    return {"step_s": flow["step_s"], "steps_s": flow["steps_s"], "trained_response_tokens": sum(tokens),
+            "trained_response_tokens_per_s": sum(tokens) / sum(flow["steps_s"]), "response_len_mean": sum(tokens) / samples,
+            "workers_idle_fraction": flow["workers_idle_fraction"], "in_process_step_s": engine["step_s"],
+            "in_process_trained_response_tokens_per_s": sum(engine_tokens) / sum(engine_wall), "peak_gpu_gib": peak_gib,
+            "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu"),
+                         "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
 
 
-def trl_child(out: Path, steps: int) -> None:
-    """TRL's GRPOTrainer as its docs set it up for one GPU with vLLM colocated."""
+def trained_response_tokens(record: dict) -> float:
+    """The response tokens (up to and including EOS) of every sample a trellis step trained: the mean
+    length times the number of samples it is the mean over (TRL counts ``completion_ids`` the same way)."""
+    return record["response/response_len/mean"] * record["response/batch_size"]
+
+
+def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
+    rollout, vllm = config["rollout"], config["rollout"]["backend"] == "vllm"
+    worker = config["train_worker"]
+    bf16 = on_gpu and worker["dtype"] in ("auto", "bfloat16")  # engine/train/worker.py: fp32 weights, bf16 compute
+    return {
+        "model (weights digest)": f"{Path(config['load_from']).name} ({weights_digest(Path(config['load_from']))})",
+        "prompts file digest": files_digest([Path(config["train_dataset"]["path"])]),
+        "prompts x samples per step": f"{config['train_batch_size']} x {config['prompt_repeat_k']}",
+        "max new tokens": rollout["max_new_tokens"],
+        "rollout engine": rollout["backend"],
+        "vLLM gpu_memory_utilization": rollout["gpu_memory_utilization"] if vllm else "no vLLM",
+        "temperature": rollout["temperature"],
+        "learning rate": config["optim"]["lr"],
+        "KL coefficient": config["loss"]["kl_coef"],
+        "optimizer steps per batch": config["train_worker"]["optimizer_steps"],
+        "trainer resident (no offload)": not config["train_worker"]["offload_when_idle"],
+        "torch threads (CPU ops)": config["cluster"]["torch_threads"],
+        "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
+        "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
+        "compiled": config["train_worker"]["compile"],
+        "tokens counted": TOKENS_COUNTED,
+        "tokens counted from": "step metrics: response_len/mean x batch_size",
+    }
+
+
+def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
+    """TRL's GRPOTrainer as its docs set it up for one GPU with vLLM colocated (``--smoke``: on CPU)."""
     import pyarrow.parquet as pq
     import torch
     import transformers
     import trl
-    import vllm
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(HERE))
-    from engine_steps import random_qwen2_05b
-
     from engine.tiny.model import build_tokenizer
-    from engine.tiny.reverse_task import write_dataset
 
-    model_dir, data = WORK / "qwen2-05b-random", WORK / "train.parquet"
-    if not (model_dir / "config.json").exists():
-        random_qwen2_05b(build_tokenizer(), model_dir)
-    if not data.exists():
-        write_dataset(data, 2048, seed=0)
+    step = shared(args)
+    model, data = prepare_model_and_data(args)
     rows = pq.read_table(data).to_pylist()
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
+    record = {"step_s": [], "response_tokens": [], "completions": []}
+    seen = {"tokens": 0, "completions": 0}  # since the step began: TRL generates and scores inside its step
 
-    def reverse_reward(completions, label, **_):
+    def reverse_reward(completions, label, completion_ids, **_):
+        seen["tokens"] += sum(len(ids) for ids in completion_ids)
+        seen["completions"] += len(completion_ids)
         return [1.0 if c[0]["content"].strip() == answer else 0.0 for c, answer in zip(completions, label)]
 
-    record = {"step_s": [], "tokens": [], "completion_len": []}
+    def synchronize() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self.started, self.seen = time.perf_counter(), state.num_input_tokens_seen
+            synchronize()
+            self.started, seen["tokens"], seen["completions"] = time.perf_counter(), 0, 0
 
         def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
+            synchronize()
             record["step_s"].append(time.perf_counter() - self.started)
-            record["tokens"].append(state.num_input_tokens_seen - self.seen)
+            record["response_tokens"].append(seen["tokens"])
+            record["completions"].append(seen["completions"])
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                record["completion_len"].append(logs["completions/mean_length"])
-
+    torch.set_num_threads(args.torch_threads)  # trellis's workers take the same (cluster.torch_threads)
+    per_device = step["prompts"] * step["group"] // step["accumulation"]
     config = GRPOConfig(
-        output_dir=str(WORK / "trl_out"),
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.3,
-        vllm_enable_sleep_mode=False,
-        per_device_train_batch_size=32,
-        gradient_accumulation_steps=8,
-        num_generations=8,
-        max_completion_length=256,
-        bf16=True,
-        beta=0.0,
-        learning_rate=1e-6,
-        temperature=1.0,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
+        output_dir=str(WORK / "trl_out"), use_vllm=not args.smoke, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
+        vllm_enable_sleep_mode=False, per_device_train_batch_size=per_device, gradient_accumulation_steps=step["accumulation"],
+        num_generations=step["group"], max_completion_length=step["new_tokens"], bf16=not args.smoke, use_cpu=args.smoke,
+        beta=0.0, learning_rate=step["lr"], temperature=step["temperature"], max_steps=steps, logging_steps=1,
+        gradient_checkpointing=False,  # TRL's GRPO default is on; trellis's is off
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
     )
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[reverse_reward], args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=str(model), reward_funcs=[reverse_reward], args=config, train_dataset=dataset,
                           processing_class=build_tokenizer(), callbacks=[Clock()])
     trainer.train()
-    record["versions"] = {"trl": trl.__version__, "vllm": vllm.__version__, "transformers": transformers.__version__,
+    generation_batch = config.per_device_train_batch_size * config.steps_per_generation
+    record["settings"] = {
+        "model (weights digest)": f"{model.name} ({weights_digest(model)})",
+        "prompts file digest": files_digest([data]),
+        "prompts x samples per step": f"{generation_batch // config.num_generations} x {config.num_generations}",
+        "max new tokens": config.max_completion_length,
+        "rollout engine": "vllm" if config.use_vllm else "transformers",
+        "vLLM gpu_memory_utilization": config.vllm_gpu_memory_utilization if config.use_vllm else "no vLLM",
+        "temperature": config.temperature,
+        "learning rate": config.learning_rate,
+        "KL coefficient": config.beta,
+        "optimizer steps per batch": config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps,
+        "trainer resident (no offload)": not config.vllm_enable_sleep_mode,
+        "torch threads (CPU ops)": torch.get_num_threads(),
+        "activation checkpointing": config.gradient_checkpointing,
+        "weights / compute dtype": f"{str(next(trainer.model.parameters()).dtype).removeprefix('torch.')} / "
+                                   f"{'bfloat16' if config.bf16 else 'float32'}",
+        "compiled": config.torch_compile,
+        "tokens counted": TOKENS_COUNTED,
+        "tokens counted from": "reward function: len(completion_ids) (cut after EOS)",
+        "warm-up steps": WARMUP_STEPS,
+    }
+    vllm = __import__("vllm").__version__ if config.use_vllm else None
+    record["versions"] = {"trl": trl.__version__, "vllm": vllm, "transformers": transformers.__version__,
                           "torch": torch.__version__, "param_dtype": str(next(trainer.model.parameters()).dtype)}
     out.write_text(json.dumps(record))
+
+
+def prepare_model_and_data(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The model and prompts both sides read (built once, before the first contestant)."""
+    from engine.tiny.model import build_tiny_checkpoint, build_tokenizer
+    from engine.tiny.reverse_task import write_dataset
+
+    model, data = model_dir(args), WORK / "train.parquet"
+    if not (model / "config.json").exists():
+        if args.smoke:
+            build_tiny_checkpoint(model)
+        else:
+            from engine_steps import random_qwen2_05b
+
+            random_qwen2_05b(build_tokenizer(), model)
+    if not data.exists():
+        write_dataset(data, 2048, seed=0)
+    return model, data
+
+
+def contestants(args: argparse.Namespace) -> list[str]:
+    names = args.order.split(",")
+    if args.trellis_compile:  # the old spelling: "trellis" meant the compiled one
+        names = ["trellis-compiled" if name == "trellis" else name for name in names]
+    unknown = set(names) - set(CONTESTANTS)
+    if unknown:
+        raise SystemExit(f"--order: unknown contestant(s) {sorted(unknown)}; choose from {', '.join(CONTESTANTS)}")
+    if "trl" in names and not trl_installed():
+        print("TRL is not installed here (make bench installs it): the trl contestant is left out.", flush=True)
+        names.remove("trl")
+    return list(dict.fromkeys(names))
+
+
+def trl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "in_process_step_s": ".3f",
+           "in_process_trained_response_tokens_per_s": ",.0f"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=6, help=f"optimizer steps per contestant, the first {WARMUP_STEPS} not measured")
-    parser.add_argument("--order", default="trl,trellis")
-    parser.add_argument("--trellis-compile", action="store_true", help="train_worker.compile=true for trellis")
+    parser.add_argument("--rounds", type=int, default=2, help="of every contestant, alternated")
+    parser.add_argument("--order", default=",".join(CONTESTANTS), help="the contestants, in their order within a round")
+    parser.add_argument("--vllm-memory", type=float, default=0.3, help="the GPU fraction vLLM takes, on both sides")
+    parser.add_argument("--torch-threads", type=int, default=min(4, os.cpu_count() or 1),
+                        help="torch threads of every process that computes, on both sides")
+    parser.add_argument("--trellis-compile", action="store_true", help="the old spelling: 'trellis' in --order is compiled")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers rollout, a few steps")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.steps = min(args.steps, WARMUP_STEPS + 2)
+    if args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--steps: {WARMUP_STEPS} warm-up steps and at least 2 measured ones")
+    if args.rounds < 2 and not args.trl_child:
+        parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated")
     args.out.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
-        trl_child(args.trl_child, args.steps)
+        trl_child(args.trl_child, args.steps, args)
         os._exit(0)  # vLLM's engine threads would hold the process open
-    runs: dict[str, list[dict]] = {"trl": [], "trellis": []}
-    for round_, name in enumerate(args.order.split(",")):
+    prepare_model_and_data(args)
+    names = contestants(args)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    order = alternated(names, args.rounds)
+    print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
+    for round_, name in order:
         try:
-            runs[name].append((trl_contestant if name == "trl" else trellis_contestant)(args, round_))
-        except Exception as error:  # the other contestant still runs; the log says what broke
+            if name == "trl":
+                runs[name].append(trl_contestant(args, round_))
+            else:
+                runs[name].append(trellis_contestant(args, round_, compiled=name == "trellis-compiled"))
+        except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
-        print(name, json.dumps(runs[name][-1]), flush=True)
-    summary = {"samples_per_step": 256, "max_new_tokens": 256, "warmup_steps": WARMUP_STEPS, "trellis_compile": args.trellis_compile,
-               "runs": runs}
+        r = runs[name][-1]
+        print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
+              f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
+              f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
+    summary = report(args, runs, order)
+    name = "cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json"
+    (args.out / name).write_text(json.dumps(summary, indent=1))
+    if summary["unequal_settings"]:
+        os._exit(1)
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]]) -> dict:
+    """The settings side by side (checked equal), every figure's median with its spread, and the ratios
+    round by round."""
     ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
-    if ok["trl"] and ok["trellis"]:
-        trl_step = statistics.median(r["step_s"] for r in ok["trl"])
-        trl_tgs = statistics.median(r["e2e_effective_tgs"] for r in ok["trl"])
-        flow_step = statistics.median(r["step_s"] for r in ok["trellis"])
-        flow_tgs = statistics.median(r["e2e_effective_tgs"] for r in ok["trellis"])
-        engine_tgs = statistics.median(r["in_process_e2e_effective_tgs"] for r in ok["trellis"])
-        summary.update(trl_step_s=trl_step, trellis_flow_step_s=flow_step,
-                       flow_speedup_vs_trl=trl_step / flow_step, flow_tgs_vs_trl=flow_tgs / trl_tgs,
-                       engine_tgs_vs_trl=engine_tgs / trl_tgs)
-    (args.out / "h200_trl_peer.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
+    columns = {f"{name}[{i}]": r["settings"] for name, rs in ok.items() for i, r in enumerate(rs, 1)}
+    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN)
+    print("\nsettings, as each side's own records say:\n" + table)
+    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in FIGURES} for name, rs in ok.items() if rs}
+    print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, FIGURES))
+    summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
+               "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
+               "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
+    for name in ("trellis", "trellis-compiled"):
+        if ok.get("trl") and ok.get(name):
+            pairs = list(zip(ok["trl"], ok[name]))
+            step = spread(t["step_s"] / s["step_s"] for t, s in pairs)
+            tgs = spread(s["trained_response_tokens_per_s"] / t["trained_response_tokens_per_s"] for t, s in pairs)
+            summary[f"{name}_vs_trl"] = {"step_speedup": step, "trained_response_tgs": tgs}
+            print(f"{name} vs trl, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
+                  f"trained response tokens/s {tgs['median']:.2f}x ({tgs['min']:.2f}x .. {tgs['max']:.2f}x), n={step['n']}")
+    if unequal:
+        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the sides.")
+    return summary
 
 
 if __name__ == "__main__":

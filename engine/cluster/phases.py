@@ -10,7 +10,7 @@ import time
 
 from engine.cluster.workers import RunWorkers
 from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
+from engine.run.metrics import RunCounters, RunDevices, StepRecord, assemble_step_metrics
 from engine.run.resume import (
     begin_checkpoint,
     begin_hf_export,
@@ -116,8 +116,9 @@ class ClusterPhases:
         uri, metrics = workers.wait(workers.actor("controller").evaluate.remote(step, workers.actors("rollout"), flow_run_id))
         return Evaluation(uri, metrics)
 
-    def log_step(self, step: int, record: StepRecord) -> Logged:
-        metrics, counters = assemble_step_metrics(record)
+    def log_step(self, step: int, record: StepRecord, devices: RunDevices) -> Logged:
+        """``devices``: the run plan's, which the per-device ``throughput/*`` divide by."""
+        metrics, counters = assemble_step_metrics(record, devices)
         self.workers.wait(self.workers.actor("controller").log_metrics.remote(metrics, step))
         record_step(self.config, step, metrics)
         return Logged(metrics, counters)

@@ -176,6 +176,7 @@ class RunWorkers:
         if trainers and rollouts and applied > 0 and min(served) == 0:
             self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
         rollout_gpu = gpus_of(rollouts[:1], self._timeout_s)[0] if rollouts else None
+        train_gpu = gpus_of(trainers[:1], self._timeout_s)[0] if trainers else None
         live = [controller, *trainers, *rollouts]
         self.wait([actor.use_credentials.remote(self.launch.credentials) for actor in live])
         return WorkerFacts(
@@ -185,6 +186,7 @@ class RunWorkers:
             applied_step=applied,
             holds_state=bool(applied or max(served) or self.wait(controller.has_produced.remote())),
             rollout_on_gpu=rollout_gpu is not None,
+            train_on_gpu=train_gpu is not None,
         )
 
     def _trainer_group(self, total_train_steps: int, pad_token_id: int) -> list[ActorHandle]:

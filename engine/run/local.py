@@ -13,7 +13,7 @@ from typing import Callable
 
 from engine.config import TrellisConfig
 from engine.data.prompts import SkipReport
-from engine.devices import rollout_device, set_up_process
+from engine.devices import resolve_device, rollout_device, set_up_process
 from engine.rollout.backends import build_rollout_backend
 from engine.rollout.controller import Controller
 from engine.rollout.produce import produce_summary
@@ -119,6 +119,7 @@ class LocalRun:
             applied_step=self.worker.applied_step if self.worker is not None else 0,
             holds_state=False,
             rollout_on_gpu=self.backend is not None and rollout_device(self.config).type == "cuda",
+            train_on_gpu=self.worker is not None and resolve_device(self.config.train_worker.device).type == "cuda",
         )
 
     def _restore(self, uri: str) -> dict[str, float | int]:
@@ -240,7 +241,7 @@ class LocalPhases:
         return Evaluation(uri, metrics)
 
     def log_step(self, step: int, record: StepRecord) -> Logged:
-        metrics, counters = assemble_step_metrics(record)
+        metrics, counters = assemble_step_metrics(record, self._run.plan.devices)
         if self._run.trackers is not None:
             self._run.trackers.log(metrics, step)
             record_step(self._config, step, metrics)

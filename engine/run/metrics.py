@@ -1,14 +1,15 @@
 """A step's metrics under the reference's names: phase timers, the run-level counters and the seven
-``throughput/*``."""
+``throughput/*``, per device of the side that did the work."""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 @contextmanager
@@ -51,6 +52,31 @@ class RunCounters(BaseModel):
         return self.model_copy(update={"samples": self.samples + samples, "tokens": self.tokens + tokens})
 
 
+class SideDevices(BaseModel):
+    """One side of a run (trainer ranks, or rollout workers) as the per-device ``throughput/*`` count
+    it: its workers and the devices each holds. On GPUs a device is a GPU (a colocated worker counts
+    the GPU it shares with the other side's worker); on CPU it is the worker's process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = Field(ge=1)
+    devices_per_worker: float = Field(gt=0.0)
+
+    @property
+    def devices(self) -> int:
+        """Whole devices: workers that hold parts of one GPU (0.5 each) count it once."""
+        return max(1, math.ceil(self.workers * self.devices_per_worker - 1e-9))
+
+
+class RunDevices(BaseModel):
+    """What each side's ``throughput/*`` divide by (the run plan resolves it once)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    train: SideDevices
+    rollout: SideDevices
+
+
 def throughput_metrics(
     counters: RunCounters,
     *,
@@ -62,13 +88,13 @@ def throughput_metrics(
     produced_samples: float,
     produced_tokens: float,
     now_s: float,
-    train_workers: int = 1,
-    rollout_workers: int = 1,
+    devices: RunDevices,
 ) -> dict[str, float]:
-    """sgs / tgs = samples / tokens per second per worker (GPU, or process on CPU); ``counters``
-    already include this step's training samples and tokens."""
+    """sgs / tgs = samples / tokens per second per device, as XTuner's: the trained figures over the
+    trainer's devices, the rollout ones over the rollout's. ``counters`` already include this step's
+    training samples and tokens."""
     e2e_s = max(now_s - counters.started_s, 1e-9)
-    train, rollout = float(train_workers), float(rollout_workers)
+    train, rollout = float(devices.train.devices), float(devices.rollout.devices)
     return {
         "throughput/e2e_effective_sgs": counters.samples / e2e_s / train,
         "throughput/e2e_effective_tgs": counters.tokens / e2e_s / train,
@@ -93,9 +119,13 @@ class StepRecord:
     links: dict[str, str] = field(default_factory=dict)  # for Prefect artifacts: trajectories, HF export...
 
 
-def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tuple[dict[str, float], RunCounters]:
+def assemble_step_metrics(
+    record: StepRecord, devices: RunDevices, now_s: float | None = None
+) -> tuple[dict[str, float], RunCounters]:
     """All metrics of one step under the reference's names (``time/``, ``response/``, ``throughput/``...),
-    and the run counters with this step added."""
+    and the run counters with this step added. The rollout's own counts are logged too
+    (``rollout/produced_*``, ``time/rollout_window``: the wall time of its generation, which may have
+    started in the previous step), so that the per-device rollout figures can be checked."""
     timings, produce, data_info = record.timings, record.produce, record.data_info
     fit_metrics, eval_metrics = record.fit_metrics, record.eval_metrics
     counters = record.counters.after(samples=data_info["training_samples"], tokens=data_info["training_tokens"])
@@ -112,6 +142,9 @@ def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tup
     metrics["time/rollout"] = produce["produce_time_s"]
     metrics["rollout/failed_samples"] = produce["failed_samples"]
     metrics["rollout/policy_version"] = produce["policy_version"]
+    metrics["rollout/produced_samples"] = produce["produced_samples"]
+    metrics["rollout/produced_tokens"] = produce["produced_tokens"]
+    metrics["time/rollout_window"] = produce["produce_time_s"]
     metrics.update(
         throughput_metrics(
             counters,
@@ -123,6 +156,7 @@ def assemble_step_metrics(record: StepRecord, now_s: float | None = None) -> tup
             produced_samples=produce["produced_samples"],
             produced_tokens=produce["produced_tokens"],
             now_s=time.time() if now_s is None else now_s,
+            devices=devices,
         )
     )
     return metrics, counters

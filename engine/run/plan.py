@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters
+from engine.config import ResourcesConfig, TrellisConfig
+from engine.run.metrics import RunCounters, RunDevices, SideDevices
 from engine.run.resume import StartPlan
 from engine.storage.checkpoints import write_json
 from engine.storage.lake import LakeError, stored_steps
@@ -57,6 +57,7 @@ class WorkerFacts:
     applied_step: int  # the trainer's last applied step (0: none, or no trainer)
     holds_state: bool  # a live worker already trained, synced weights or drew prompts
     rollout_on_gpu: bool
+    train_on_gpu: bool
 
 
 class RunPlan(BaseModel):
@@ -71,6 +72,7 @@ class RunPlan(BaseModel):
     overlap_next_rollout: bool  # launch each step's rollout at the end of the previous step
     start: StartPlan
     counters: RunCounters  # the throughput counters the first step continues
+    devices: RunDevices  # what the per-device throughput/* of each side divide by
     initial_evaluation: bool
     keeps_records: bool = True  # False: trajectories, metrics and checkpoints are not written (benchmarks)
     train_report: str = ""
@@ -103,9 +105,25 @@ def resolve_run_plan(
         and not (config.debug_train or config.disaggregated),
         start=start,
         counters=counters,
+        devices=run_devices(config, facts),
         initial_evaluation=config.enable_initial_evaluate and start.step == 0 and both,
         keeps_records=keeps_records,
         train_report=facts.train_report,
+    )
+
+
+def run_devices(config: TrellisConfig, facts: WorkerFacts) -> RunDevices:
+    """Each side's workers and the devices each holds: ``accelerators_per_worker`` GPUs on a GPU (1 for
+    a colocated worker, which shares its GPU), one process on CPU (where ``accelerators_per_worker``
+    counts cores, not devices)."""
+
+    def side(resources: ResourcesConfig, on_gpu: bool) -> SideDevices:
+        per_worker = resources.accelerators_per_worker if on_gpu else 1.0
+        return SideDevices(workers=resources.num_workers, devices_per_worker=per_worker)
+
+    return RunDevices(
+        train=side(config.train_resources, facts.train_on_gpu),
+        rollout=side(config.rollout_resources, facts.rollout_on_gpu),
     )
 
 

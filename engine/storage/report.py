@@ -43,7 +43,7 @@ PANELS = (
     Panel("eval", "Held-out evaluation", "accuracy", (("eval/accuracy", "eval/pass@*"),)),
     Panel("response_length", "Response length", "tokens", (("response/response_len/mean",),),
           band=("response/response_len/min", "response/response_len/max")),
-    Panel("throughput", "Throughput (tokens/s per worker)", "tokens/s", (("throughput/*_tgs",),)),
+    Panel("throughput", "Throughput (tokens/s per device)", "tokens/s", (("throughput/*_tgs",),)),
     Panel("mismatch", "Rollout vs trainer logprob mismatch", "", (
         ("mismatch/abs_logprob_diff", "mismatch/abs_logprob_diff_max"),
         ("mismatch/k3_kl",),
