@@ -68,6 +68,7 @@ def ledger_check(config) -> str:
 
     trellis = str(Path(sys.executable).with_name("trellis"))
     result = subprocess.run([trellis, "ledger", "check", config.run_uri], capture_output=True, text=True, timeout=300)
+    print(result.stdout)  # shown with the test's output (-s, or when it fails)
     assert result.returncode == 0, result.stdout + result.stderr
     groups = f"read_parquet('{config.run_uri}/ledger/groups/*/*.parquet')"
     assert duckdb.sql(f"SELECT group_id, samples FROM {groups} WHERE samples != {config.prompt_repeat_k}").fetchall() == []
