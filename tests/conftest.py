@@ -121,6 +121,45 @@ def ray_cluster(tmp_path_factory):
         head.wait(timeout=60)
 
 
+def _cluster_holdings() -> tuple[set[tuple[str, str]], set[str]]:
+    """The live named actors (namespace, name) and the placement groups not removed, on the connected cluster."""
+    import ray
+
+    actors = {(entry["namespace"], entry["name"]) for entry in ray.util.list_named_actors(all_namespaces=True)}
+    groups = {group_id for group_id, info in ray.util.placement_group_table().items() if info.get("state") != "REMOVED"}
+    return actors, groups
+
+
+@pytest.fixture(autouse=True)
+def _cluster_left_as_found(request):
+    """A test on the shared cluster that fails before it releases its run leaves detached actors and
+    placement groups holding the cluster's 2 CPUs: every later run would wait for a placement that
+    never comes (ray_get_timeout_s, retried) until the suite's timeout. What a test made and left is
+    released after it and named in its output; what existed before (a module's run) stays."""
+    if "ray_cluster" not in request.fixturenames:
+        yield
+        return
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    actors_before, groups_before = _cluster_holdings()
+    yield
+    if not ray.is_initialized():
+        return
+    actors_after, groups_after = _cluster_holdings()
+    left_actors, left_groups = actors_after - actors_before, groups_after - groups_before
+    if not (left_actors or left_groups):
+        return
+    print(f"released after {request.node.name}: actors {sorted(name for _, name in left_actors)}, {len(left_groups)} placement group(s)")
+    for namespace, name in left_actors:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # gone meanwhile
+            pass
+    for group_id in left_groups:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+
+
 @pytest.fixture(scope="module")
 def prefect_api():
     """A temporary Prefect API for the module's flow runs (heartbeats off: nothing here needs them)."""

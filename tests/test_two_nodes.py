@@ -83,3 +83,25 @@ def test_more_workers_than_the_cluster_has_are_refused_before_any_starts(tiny_mo
     named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == config.ray_namespace]
     assert named == []
     assert all(g.get("name", "").find("too-big") < 0 or g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+def test_a_run_waiting_for_devices_another_run_holds_names_that_run(tiny_model, reverse_data, tmp_path, ray_cluster, caplog):
+    """Tried: a placement group of another run ("trellis-kept-train", as a run with its workers kept
+    leaves it) holding both of the cluster's CPUs, then a disaggregated run on the same cluster. The
+    wait says which group holds the cluster, and the error after ray_get_timeout_s names it too; the
+    waiting run leaves no group behind."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    squatter = placement_group([{"CPU": 2.0}], name="trellis-kept-train", lifetime="detached")
+    assert squatter.wait(timeout_seconds=60)
+    config = tiny_config(
+        tiny_model, reverse_data, tmp_path, experiment_name="waits", trainer="disaggregated",
+        cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 12},
+    )
+    try:
+        with pytest.raises(GpuPlacementError, match=r"could not place within 12s; its other placement groups hold: trellis-kept-train \[\{'CPU': 2\.0\}\]"):
+            RunWorkers(config).attach()
+    finally:
+        remove_placement_group(squatter)
+    assert any("trellis-kept-train" in record.getMessage() for record in caplog.records if record.levelname == "WARNING")
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values() if g["name"].startswith("trellis-waits-"))

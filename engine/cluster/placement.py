@@ -6,6 +6,7 @@ rank k and rollout worker k. A bundle per trainer rank or rollout worker, placed
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import ray
@@ -21,6 +22,9 @@ from engine.config import TrellisConfig
 from engine.run.plan import Role, roles_for
 
 Side = Literal["train", "rollout", "colocated"]
+logger = logging.getLogger(__name__)
+_FIRST_LOOK_S = 10.0  # after this long unplaced, the wait says which groups hold the cluster
+
 SIDE_OF: dict[Role, Side] = {"trainer": "train", "rollout": "rollout", "controller": "rollout"}
 
 
@@ -147,11 +151,31 @@ def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> Pla
     check_fits(config)
     bundles = _bundles(config, side)
     group = placement_group(bundles, strategy=config.cluster.placement_strategy, name=name, lifetime="detached")
-    if not group.wait(timeout_seconds=timeout_s):
+    first_look_s = min(_FIRST_LOOK_S, timeout_s)
+    placed = group.wait(timeout_seconds=first_look_s)
+    if not placed:
+        logger.warning(
+            "The %s side of %s waits for %s bundles of %s; the cluster's other placement groups hold: %s. "
+            "Waiting up to %gs for them to be given back.",
+            side, config.experiment_name, len(bundles), bundles[0], _holders(name), timeout_s,
+        )
+        placed = group.wait(timeout_seconds=max(timeout_s - first_look_s, 0.001))
+    if not placed:
         remove_placement_group(group)
         raise GpuPlacementError(
             f"The {side} side of {config.experiment_name} asks for {len(bundles)} bundles of {bundles[0]} "
             f"({config.cluster.placement_strategy}), which the cluster ({ray.cluster_resources()}) could not place "
-            f"within {timeout_s:g}s."
+            f"within {timeout_s:g}s; its other placement groups hold: {_holders(name)}."
         )
     return group
+
+
+def _holders(waiting: str) -> str:
+    """The live placement groups other than ``waiting``, by name and what they hold (a run whose
+    workers were kept, or one that failed without giving them back, holds its devices until released)."""
+    held = [
+        f"{info.get('name') or group_id} {list(info['bundles'].values())}"
+        for group_id, info in placement_group_table().items()
+        if info.get("state") == "CREATED" and info.get("name") != waiting
+    ]
+    return ", ".join(held) or "none"
