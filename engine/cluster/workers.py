@@ -142,12 +142,15 @@ class RunWorkers:
     def attach(self) -> WorkerFacts:
         """Get the run's actors, creating those that do not exist (or died) and replacing those built
         from other code or settings; report where they stand. A start that fails with no actor of the
-        run left alive also gives back the run's placement groups, which would hold their devices."""
+        run left alive also gives back the run's placement groups, which would hold their devices. A
+        worker lost or failing meanwhile is named (``WorkerError``), as in ``wait``."""
         try:
             return self._attach()
-        except Exception:
+        except Exception as error:
             if not any(self._alive(role) for role in ROLES):
                 remove_side_placements(self.config)
+            if isinstance(error, (RayTaskError, RayActorError)):
+                raise worker_error(error, self) from error
             raise
 
     def _alive(self, role: Role) -> bool:
