@@ -42,7 +42,7 @@ from engine.config.loading import load_config  # noqa: E402
 from flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
-PHASES = ("time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
+PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
 WORKER_CLASSES = ("TrainerActor", "RolloutActor", "ControllerActor")
 
 
@@ -54,7 +54,11 @@ def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
     head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                              "--disable-usage-stats", *extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
-    while subprocess.run([ray, "status", f"--address={address}"], capture_output=True).returncode != 0:
+    deadline = time.monotonic() + 180
+    while (status := subprocess.run([ray, "status", f"--address={address}"], capture_output=True, text=True)).returncode != 0:
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            raise SystemExit(f"the bench's Ray head at {address} did not come up: {status.stderr.strip().splitlines()[-1:]}")
         time.sleep(0.5)
     return head, address
 

@@ -1,20 +1,23 @@
 """engine_steps.py's GPU step, driven by the Prefect flow on a Ray cluster started here: what the
 orchestration costs.
 
-Same machine, same config, one after the other:
+``--rounds`` rounds, alternated on one machine, each:
 1. ``engine_steps.py --track`` in a child process (so its GPU memory is freed at exit): the steps in
-   one process with no Prefect or Ray, writing trajectories and metrics as the flow does, with the
-   flow's warm-up (2 steps) and as many measured steps as one flow run below measures;
-2. ``rl_train`` on a fresh local Ray head. The trainer and rollout actors split the GPU and weights
-   move between them through CUDA IPC. A first flow run warms the workers up and keeps them; then
-   flow runs of ``--steps`` steps each re-attach to them, alternately with each step's rollout
-   launched at the end of the previous step (``cluster.overlap_next_rollout``, the default) and by
-   the step itself, ``--rounds`` times each. Steps are timed between consecutive ``rl_step`` flow-run
-   starts (everything a user waits for).
+   one process with no Prefect or Ray, writing trajectories and metrics as the flow does;
+2. ``rl_train`` on a local Ray head started once: fresh trainer and rollout actors splitting the GPU
+   (weights through CUDA IPC), warmed up by a first flow run, then a measured flow run with each
+   step's rollout launched at the end of the previous step (``cluster.overlap_next_rollout``, the
+   default) and, unless ``--early-launch-only``, one with the rollout launched by the step itself;
+   the workers are released at the round's end.
+Both sides leave the same 2 warm-up steps out and time the same ``--steps - 1`` steps the same way:
+one step's start to the next one's (the flow's from its ``rl_step`` flow-run starts), everything a
+user waits for. Every figure is a median with its spread (min .. max, n) over all rounds' steps, and
+each round's flow / in-process ratio is given too.
 
 Orchestration overhead = the part of each step in which no worker ran a method (from Ray's
-timeline): the GPU workers waited on Prefect and the driver. Also reported: 1 - in-process step /
-flow step, and a weight sync between the live actors timed on its own.
+timeline): the GPU workers waited on Prefect and the driver. Also: each phase's time on both sides
+(``time/rollout`` is the batch's own generation and scoring), and a weight sync between the live
+actors timed on its own.
 
     python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--compile]
         [--early-launch-only] [engine_steps.py's other options: --vllm-memory, --lr, --model ...]
@@ -44,6 +47,7 @@ import torch  # noqa: E402
 from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
+from _compare import spread, with_spread  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
 from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
 
@@ -57,14 +61,15 @@ WORK = Path("/tmp/trellis-gpu")
 
 def in_process_steps(args: argparse.Namespace) -> dict:
     """engine_steps.py with the flow's warm-up and number of measured steps: ``WARMUP_STEPS`` left out,
-    then as many as one flow run of ``--steps`` measures (its last step has no successor start)."""
-    same_steps = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.steps - 1})
+    then ``--steps`` more, of which the first ``--steps - 1`` are timed start to next start, as a
+    flow run's are (its last step has no successor start)."""
+    same_steps = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.steps})
     command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(same_steps), "--track",
                "--warmup", str(WARMUP_STEPS)]
     env = dict(os.environ)
     if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
         env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
-    with open(args.out / "engine_steps.log", "w") as log:
+    with open(args.out / "engine_steps.log", "a") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
     return json.loads(result_path(args).read_text())
 
@@ -79,89 +84,129 @@ def timed_sync(config, repeats: int = 3) -> dict:
     return {"transport": transport, "median_s": statistics.median(seconds), "all_s": seconds}
 
 
-def flow_steps(args: argparse.Namespace) -> dict:
-    gpus = torch.cuda.device_count()
-    head, address = start_head(f"--num-gpus={gpus}")
+def flow_round(args: argparse.Namespace, address: str) -> dict:
+    """One round of the flow: fresh workers warmed up by a flow run of ``WARMUP_STEPS``, then one
+    measured flow run of ``--steps`` per launch kind (early, then in-step unless --early-launch-only);
+    the workers are released at the end, so the next in-process round starts on a free GPU."""
     vllm_site = os.environ.get("TRELLIS_VLLM_SITE")
     runtime_env = {"env_vars": {"PYTHONPATH": f"{vllm_site}:${{PYTHONPATH}}"}} if vllm_site else None
-    try:
-        with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            config = step_config(
-                WORK, args, total_train_steps=WARMUP_STEPS, work_dir=tmp, experiment_name="flow_bench",
-                rollout={"runtime_env": runtime_env},
-                cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4,
-                         "home": str(WORK / "cluster")},  # its token file, not the user's ~/.trellis
-            )
-            rl_train(config)
-            since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
-            launches = (True,) if args.early_launch_only else (True, False)
-            for overlap in launches * args.rounds:
-                total += args.steps
-                cluster = config.cluster.model_copy(update={"overlap_next_rollout": overlap})
-                rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
-                measured[overlap] += range(total - args.steps + 1, total)  # a run's last step has no successor start
-            starts = asyncio.run(step_starts(since_s))
-            spans = busy_spans(ray.timeline(), WORKER_CLASSES)
-            lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
-            records = {r["step"]: r for r in map(json.loads, lines)}
-            sync = timed_sync(config)
-            RunWorkers(config).release()
-        modes = {}
-        for overlap, steps in measured.items():
-            if not steps:  # --early-launch-only
-                continue
-            wall = [starts[s + 1] - starts[s] for s in steps]
-            idle = [idle_seconds(spans, starts[s], starts[s + 1]) for s in steps]
+    with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        config = step_config(
+            WORK, args, total_train_steps=WARMUP_STEPS, work_dir=tmp, experiment_name="flow_bench",
+            rollout={"runtime_env": runtime_env},
+            cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4,
+                     "home": str(WORK / "cluster")},  # its token file, not the user's ~/.trellis
+        )
+        rl_train(config)
+        since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
+        for overlap in (True,) if args.early_launch_only else (True, False):
+            total += args.steps
+            cluster = config.cluster.model_copy(update={"overlap_next_rollout": overlap})
+            rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
+            measured[overlap] += range(total - args.steps + 1, total)  # a run's last step has no successor start
+        starts = asyncio.run(step_starts(since_s))
+        spans = busy_spans(ray.timeline(), WORKER_CLASSES)
+        lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
+        records = {r["step"]: r for r in map(json.loads, lines)}
+        sync = timed_sync(config)
+        RunWorkers(config).release()
+    modes = {}
+    for overlap, steps in measured.items():
+        if steps:
             modes["overlap" if overlap else "in_step"] = {
-                "step_s": statistics.median(wall),
-                "steps_s": wall,
-                "workers_idle_s": statistics.median(idle),
-                "workers_idle_fraction": sum(idle) / sum(wall),
-                "phase_median_s": {p: statistics.median(records[s].get(p, 0.0) for s in steps) for p in PHASES},
+                "steps_s": [starts[s + 1] - starts[s] for s in steps],
+                "idle_s": [idle_seconds(spans, starts[s], starts[s + 1]) for s in steps],
+                "phases_s": {p: [records[s].get(p, 0.0) for s in steps] for p in PHASES},
             }
-        every = measured[True] + measured[False]
-        return {
-            "gpus_in_cluster": gpus,
-            "settings": run_settings(config),
-            "warmup_steps": WARMUP_STEPS,
-            "measured_steps_per_flow_run": args.steps - 1,
-            "modes": modes,
-            "mismatch_k3_median": statistics.median(records[s]["mismatch/k3_kl"] for s in every)
-            if "mismatch/k3_kl" in records[every[0]] else None,
-            "weight_sync_between_actors": sync,
-            "steps": [records[s] for s in sorted(every)],
-        }
-    finally:
-        ray.shutdown()
-        head.terminate()
-        head.wait(timeout=60)
+    every = measured[True] + measured[False]
+    return {
+        "settings": run_settings(config),
+        "modes": modes,
+        "mismatch_k3": [records[s]["mismatch/k3_kl"] for s in every if "mismatch/k3_kl" in records[s]],
+        "weight_sync_between_actors": sync,
+        "steps": [records[s] for s in sorted(every)],
+    }
+
+
+def summarize_mode(rounds: list[dict], mode: str) -> dict:
+    steps = [wall for r in rounds for wall in r["flow"]["modes"][mode]["steps_s"]]
+    idle = [i for r in rounds for i in r["flow"]["modes"][mode]["idle_s"]]
+    phases = {p: [v for r in rounds for v in r["flow"]["modes"][mode]["phases_s"][p]] for p in PHASES}
+    return {
+        "step_s": spread(steps),
+        "steps_s": steps,
+        "workers_idle_fraction": sum(idle) / sum(steps),
+        "phase_s": {p: spread(values) for p, values in phases.items()},
+        "round_medians_s": [statistics.median(r["flow"]["modes"][mode]["steps_s"]) for r in rounds],
+    }
+
+
+def against_in_process(rounds: list[dict], default: dict) -> dict:
+    """The in-process steps of every round beside the flow's: spread, phases, ratios overall and by round."""
+    in_process = [wall for r in rounds for wall in r["in_process"]["wall_steps_s"]]
+    local_median = statistics.median(in_process)
+    local_rounds = [statistics.median(r["in_process"]["wall_steps_s"]) for r in rounds]
+    measured = slice(WARMUP_STEPS, WARMUP_STEPS + len(rounds[0]["in_process"]["wall_steps_s"]))
+    return {
+        "in_process_step_s": spread(in_process),
+        "in_process_steps_s": in_process,
+        "in_process_spread_vs_median": [min(in_process) / local_median - 1, max(in_process) / local_median - 1],
+        "in_process_round_medians_s": local_rounds,
+        "in_process_phase_s": {
+            p: spread(step[p] for r in rounds for step in r["in_process"]["steps"][measured] if p in step)
+            for p in PHASES if any(p in step for r in rounds for step in r["in_process"]["steps"][measured])
+        },
+        "flow_vs_in_process": default["step_s"]["median"] / local_median,
+        "flow_vs_in_process_by_round": [f / i for f, i in zip(default["round_medians_s"], local_rounds)],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_step_arguments(parser, steps=5, backend="vllm")
-    parser.add_argument("--rounds", type=int, default=2, help="flow runs of each kind, alternated")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (in-process run, flow runs), alternated")
     parser.add_argument("--early-launch-only", action="store_true", help="only the default: each rollout launched early")
+    parser.add_argument("--flow-only", action="store_true", help="no in-process runs (a peer bench compares the flow alone)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    local = in_process_steps(args)
-    flow = flow_steps(args)
-    default = flow["modes"]["overlap"]
+    head, address = start_head(f"--num-gpus={torch.cuda.device_count()}")
+    rounds = []
+    try:
+        for number in range(1, args.rounds + 1):
+            local = None if args.flow_only else in_process_steps(args)
+            if local:
+                print(f"round {number} in-process: {with_spread(local['wall_steps_s'])} s/step", flush=True)
+            flow = flow_round(args, address)
+            print(f"round {number} flow: {with_spread(flow['modes']['overlap']['steps_s'])} s/step", flush=True)
+            rounds.append({"in_process": local, "flow": flow})
+    finally:
+        ray.shutdown()
+        head.terminate()
+        head.wait(timeout=60)
+    modes = {mode: summarize_mode(rounds, mode) for mode in rounds[0]["flow"]["modes"]}
+    default = modes["overlap"]
     summary = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "backend": args.backend,
         "resident_trainer": args.resident_trainer,
         "compile": args.compile,
         "samples_per_step": args.prompts * args.group,
-        "in_process_step_s": local["step_s"],
+        "rounds": args.rounds,
+        "warmup_steps": WARMUP_STEPS,
+        "measured_steps_per_round": args.steps - 1,
         "flow_step_s": default["step_s"],
+        "flow_spread_vs_median": [default["step_s"]["min"] / default["step_s"]["median"] - 1,
+                                  default["step_s"]["max"] / default["step_s"]["median"] - 1],
         "orchestration_overhead": default["workers_idle_fraction"],
-        "flow_vs_in_process": 1.0 - local["step_s"] / default["step_s"],
-        "in_process_phase_median_s": local["phase_median_s"],
-        **{k: v for k, v in flow.items() if k != "steps"},
+        "modes": modes,
+        "settings": rounds[0]["flow"]["settings"],
+        "weight_sync_between_actors": [r["flow"]["weight_sync_between_actors"] for r in rounds],
+        "mismatch_k3": [v for r in rounds for v in r["flow"]["mismatch_k3"]],
     }
-    print(json.dumps(summary, indent=1), flush=True)
-    summary["flow_steps"] = flow["steps"]
+    if not args.flow_only:
+        summary.update(against_in_process(rounds, default))
+    print(json.dumps({k: v for k, v in summary.items() if not k.endswith("steps_s")}, indent=1), flush=True)
+    summary["flow_steps"] = [step for r in rounds for step in r["flow"]["steps"]]
     (args.out / f"flow_steps_{args.backend}.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -10,9 +10,9 @@ contestants:
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,
   ``vllm_enable_sleep_mode=False``, ``gradient_checkpointing=False`` (TRL's GRPO default recomputes
   activations; trellis's does not), not compiled (TRL's default), in a child process;
-- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only``, not compiled:
-  the in-process engine step, then the Prefect flow on a fresh local Ray cluster (trainer and rollout
-  actors sharing the GPU);
+- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only --flow-only``, not
+  compiled: the Prefect flow on a fresh local Ray cluster (trainer and rollout actors sharing the GPU);
+  flow_steps.py compares it with the in-process step on its own;
 - ``trellis-compiled``: the same with ``train_worker.compile: true``.
 
 They run alternately, ``--rounds`` times (trl, trellis, trellis-compiled, trl, ...), each in its own
@@ -24,8 +24,7 @@ each side's output); trained response tokens per second = the response tokens, u
 EOS, of every sample each side trained in the measured steps, counted the same way from each side's
 own records (TRL: the length of every completion's ``completion_ids``, cut after its EOS as TRL's
 completion mask is, summed in the reward function; trellis: ``response/response_len/mean`` x
-``response/batch_size``, the samples that mean is over), over the sum of those steps' wall times;
-trellis's in-process step is measured over the same warm-up and number of steps as its flow; the
+``response/batch_size``, the samples that mean is over), over the sum of those steps' wall times; the
 peak GPU memory the device reported (``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for
 both). A step's wall time is TRL's ``on_step_begin`` to ``on_step_end``, trellis's from one ``rl_step``
 flow run's start to the next one's (everything the user waits for, so it can only favour TRL; trellis
@@ -125,7 +124,7 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
 def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
     out = args.out / f"trellis{'_compiled' if compiled else ''}_{round_}"
     step = shared(args)
-    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--resident-trainer", "--early-launch-only",
+    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--resident-trainer", "--early-launch-only", "--flow-only",
                "--backend", "transformers" if args.smoke else "vllm", "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1",
                "--prompts", str(step["prompts"]), "--group", str(step["group"]), "--new-tokens", str(step["new_tokens"]),
                "--vllm-memory", str(args.vllm_memory), "--lr", str(step["lr"]), "--model", str(model_dir(args)),
@@ -137,14 +136,9 @@ def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) ->
     steps = sorted(records)[: len(flow["steps_s"])]  # the measured steps; each has a successor whose start ends it
     tokens = [trained_response_tokens(records[s]) for s in steps]
     samples = sum(records[s]["response/batch_size"] for s in steps)
-    engine = json.loads((out / f"engine_steps_{'transformers' if args.smoke else 'vllm'}_resident.json").read_text())
-    engine_steps = engine["steps"][engine["warmup_steps"]:]  # the flow's warm-up, and as many measured steps
-    engine_tokens = [trained_response_tokens(r) for r in engine_steps]
-    engine_wall = [r["time/step"] for r in engine_steps]
-    return {"step_s": flow["step_s"], "steps_s": flow["steps_s"], "trained_response_tokens": sum(tokens),
+    return {"step_s": flow["step_s"]["median"], "steps_s": flow["steps_s"], "trained_response_tokens": sum(tokens),
             "trained_response_tokens_per_s": sum(tokens) / sum(flow["steps_s"]), "response_len_mean": sum(tokens) / samples,
-            "workers_idle_fraction": flow["workers_idle_fraction"], "in_process_step_s": engine["step_s"],
-            "in_process_trained_response_tokens_per_s": sum(engine_tokens) / sum(engine_wall), "peak_gpu_gib": peak_gib,
+            "workers_idle_fraction": flow["workers_idle_fraction"], "peak_gpu_gib": peak_gib,
             "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu"),
                          "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
 
@@ -298,8 +292,7 @@ def trl_installed() -> bool:
 
 
 FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
-           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "in_process_step_s": ".3f",
-           "in_process_trained_response_tokens_per_s": ",.0f"}
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f"}
 
 
 def main() -> None:
