@@ -36,7 +36,8 @@ def small_config(tiny_model, tmp_path, name, **changes):
         experiment_name=name, total_train_steps=6, train_batch_size=8, enable_evaluate=False, enable_initial_evaluate=False,
         checkpoint_interval=2, train_dataset={"path": str(data), "max_prompt_length": 64},
     )
-    return tiny_config(tiny_model, {"train": data, "eval": data}, tmp_path, **{**base, **changes})
+    work_dir = changes.pop("work_dir", tmp_path)
+    return tiny_config(tiny_model, {"train": data, "eval": data}, work_dir, **{**base, **changes})
 
 
 def train(config, resume: bool = False):

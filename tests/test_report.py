@@ -47,7 +47,7 @@ SHOWN = {
     "eval": ("Held-out evaluation", "accuracy", [["eval/accuracy", "eval/pass@4"]], None),
     "response_length": ("Response length", "tokens", [["response/response_len/mean"]],
                         ("response/response_len/min", "response/response_len/max")),
-    "throughput": ("Throughput (tokens/s per worker)", "tokens/s", None, None),  # keys: the run's throughput/*_tgs
+    "throughput": ("Throughput (tokens/s per device)", "tokens/s", None, None),  # keys: the run's throughput/*_tgs
     "mismatch": ("Rollout vs trainer logprob mismatch", "",
                  [["mismatch/abs_logprob_diff", "mismatch/abs_logprob_diff_max"], ["mismatch/k3_kl"]], None),
     "staleness": ("Staleness of trained samples (steps)", "steps", [["async/staleness_mean", "async/staleness_max"]], None),
