@@ -171,7 +171,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     head, address = start_head(f"--num-gpus={torch.cuda.device_count()}")
     rounds = []
-    try:
+    try:  # the results are written before Ray shuts down: a late call into a shut-down Ray ends the process
         for number in range(1, args.rounds + 1):
             local = None if args.flow_only else in_process_steps(args)
             if local:
@@ -179,10 +179,14 @@ def main() -> None:
             flow = flow_round(args, address)
             print(f"round {number} flow: {with_spread(flow['modes']['overlap']['steps_s'])} s/step", flush=True)
             rounds.append({"in_process": local, "flow": flow})
+        write_summary(args, rounds)
     finally:
         ray.shutdown()
         head.terminate()
         head.wait(timeout=60)
+
+
+def write_summary(args: argparse.Namespace, rounds: list[dict]) -> None:
     modes = {mode: summarize_mode(rounds, mode) for mode in rounds[0]["flow"]["modes"]}
     default = modes["overlap"]
     summary = {

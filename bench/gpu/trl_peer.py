@@ -336,6 +336,7 @@ def main() -> None:
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
+        (args.out / "runs_so_far.json").write_text(json.dumps(runs, indent=1))  # what a call cut short still returns
     summary = report(args, runs, order)
     name = "cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json"
     (args.out / name).write_text(json.dumps(summary, indent=1))
