@@ -153,13 +153,13 @@ def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> Pla
     group = placement_group(bundles, strategy=config.cluster.placement_strategy, name=name, lifetime="detached")
     first_look_s = min(_FIRST_LOOK_S, timeout_s)
     placed = group.wait(timeout_seconds=first_look_s)
-    if not placed:
+    if not placed and timeout_s > first_look_s:
         logger.warning(
             "The %s side of %s waits for %s bundles of %s; the cluster's other placement groups hold: %s. "
             "Waiting up to %gs for them to be given back.",
             side, config.experiment_name, len(bundles), bundles[0], _holders(name), timeout_s,
         )
-        placed = group.wait(timeout_seconds=max(timeout_s - first_look_s, 0.001))
+        placed = group.wait(timeout_seconds=timeout_s - first_look_s)
     if not placed:
         remove_placement_group(group)
         raise GpuPlacementError(
