@@ -8,6 +8,7 @@ import random
 import torch
 
 from engine.config import TrellisConfig
+from engine.config.backends import backend_traits
 from engine.secrets import install_log_redaction
 
 
@@ -19,8 +20,8 @@ def resolve_device(choice: str) -> torch.device:
 
 
 def rollout_device(config: TrellisConfig) -> torch.device:
-    """vLLM runs on the GPU; the transformers loop on the trainer's device."""
-    if config.rollout.backend == "vllm":
+    """A backend that needs a GPU (vLLM) runs there; the transformers loop on the trainer's device."""
+    if backend_traits(config.rollout.backend).needs_gpu:
         return torch.device("cuda")
     return resolve_device(config.train_worker.device)
 

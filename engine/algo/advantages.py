@@ -9,6 +9,8 @@ sample's response tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -77,26 +79,54 @@ def pass_at_k(rewards_G: torch.Tensor, k: int, threshold: float = 0.5) -> torch.
     return torch.where(correct_G, right_advantage, wrong_advantage).to(rewards_G.dtype)
 
 
-def compute_group_advantages(
-    rewards_NG: list[torch.Tensor], config: AdvantageConfig, lengths_NG: list[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
+Rewards = list[torch.Tensor]  # one tensor of session rewards per group
+
+
+def _whitened_over_batch(rewards_NG: Rewards, config: AdvantageConfig, lengths_NG: Rewards | None) -> Rewards:
+    lengths = [r.numel() for r in rewards_NG]
+    if len(set(lengths)) == 1:
+        return list(reinforce_pp_baseline(torch.stack(rewards_NG)).unbind(0))
+    centred = torch.cat([r - r.mean() for r in rewards_NG])
+    whitened = (centred - centred.mean()) / (centred.std(unbiased=True) + 1e-6)
+    return list(whitened.split(lengths))
+
+
+def _opo_groups(rewards_NG: Rewards, config: AdvantageConfig, lengths_NG: Rewards | None) -> Rewards:
+    if lengths_NG is None:
+        raise ValueError("The OPO estimator needs the sessions' response lengths.")
+    return [opo(r, lengths) for r, lengths in zip(rewards_NG, lengths_NG)]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: ``advantages(rewards_NG, config, lengths_NG)`` gives one advantage per
+    session of each group; a ``whole_batch`` one needs every group of the batch at once."""
+
+    advantages: Callable[[Rewards, AdvantageConfig, Rewards | None], Rewards]
+    whole_batch: bool = False
+
+
+# The names are advantage.estimator's choices (a test holds the two together).
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(lambda rewards_NG, config, _: [grpo(r, config.eps) for r in rewards_NG]),
+    "drgrpo": Estimator(lambda rewards_NG, config, _: [dr_grpo(r) for r in rewards_NG]),
+    "rloo": Estimator(lambda rewards_NG, config, _: [rloo(r) for r in rewards_NG]),
+    "pass_at_k": Estimator(
+        lambda rewards_NG, config, _: [pass_at_k(r, config.pass_at_k, config.correct_threshold) for r in rewards_NG]
+    ),
+    "opo": Estimator(_opo_groups),
+    "reinforce_pp": Estimator(_whitened_over_batch, whole_batch=True),
+}
+
+
+def estimator(name: str) -> Estimator:
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"Unknown advantage estimator {name!r}; trellis has {', '.join(sorted(ESTIMATORS))}.") from None
+
+
+def compute_group_advantages(rewards_NG: Rewards, config: AdvantageConfig, lengths_NG: Rewards | None = None) -> Rewards:
     """One advantage per session for each of N groups (groups may differ in size); ``lengths_NG``,
     the sessions' generated tokens, only OPO needs."""
-    if config.estimator == "reinforce_pp":
-        lengths = [r.numel() for r in rewards_NG]
-        if len(set(lengths)) == 1:
-            return list(reinforce_pp_baseline(torch.stack(rewards_NG)).unbind(0))
-        centred = torch.cat([r - r.mean() for r in rewards_NG])
-        whitened = (centred - centred.mean()) / (centred.std(unbiased=True) + 1e-6)
-        return list(whitened.split(lengths))
-    if config.estimator == "grpo":
-        return [grpo(r, config.eps) for r in rewards_NG]
-    if config.estimator == "drgrpo":
-        return [dr_grpo(r) for r in rewards_NG]
-    if config.estimator == "rloo":
-        return [rloo(r) for r in rewards_NG]
-    if config.estimator == "opo":
-        if lengths_NG is None:
-            raise ValueError("The OPO estimator needs the sessions' response lengths.")
-        return [opo(r, lengths) for r, lengths in zip(rewards_NG, lengths_NG)]
-    return [pass_at_k(r, config.pass_at_k, config.correct_threshold) for r in rewards_NG]
+    return estimator(config.estimator).advantages(rewards_NG, config, lengths_NG)

@@ -19,6 +19,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import TrellisConfig
+from engine.config.backends import backend_traits
 from engine.run.plan import Role, roles_for
 
 Side = Literal["train", "rollout", "colocated"]
@@ -42,7 +43,7 @@ def gpu_requests(config: TrellisConfig, cluster_gpus: float) -> dict[Role, float
     wants: list[Role] = []
     if "trainer" in roles and trainer_gpu:
         wants.append("trainer")
-    if "rollout" in roles and (config.rollout.backend == "vllm" or trainer_gpu):
+    if "rollout" in roles and (backend_traits(config.rollout.backend).needs_gpu or trainer_gpu):
         wants.append("rollout")
     if wants and cluster_gpus <= 0:
         raise GpuPlacementError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config.backends import backend_traits
+
 if TYPE_CHECKING:
     from engine.config.trellis import TrellisConfig
 
@@ -167,7 +169,7 @@ def resource_problems(config: TrellisConfig) -> list[str]:
         )
     if ranks > 1 and config.train_worker.cuda_graphs:
         problems.append("train_worker.cuda_graphs runs on one trainer rank; several ranks shard the model with FSDP.")
-    if not config.disaggregated and ranks != engines and (config.rollout.backend == "vllm" or config.train_worker.device == "cuda"):
+    if not config.disaggregated and ranks != engines and (backend_traits(config.rollout.backend).needs_gpu or config.train_worker.device == "cuda"):
         problems.append(
             f"A colocated run on GPUs puts one trainer rank and one rollout worker on each GPU: train_resources.num_workers "
             f"({ranks}) and rollout_resources.num_workers ({engines}) must be equal."

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.algo.advantages import compute_group_advantages
+from engine.algo.advantages import compute_group_advantages, estimator
 from engine.config import AdvantageConfig
 from engine.data.samples import RolloutSample, Status
 
@@ -140,7 +140,7 @@ def prepare_train_data(
     sequences: list[TrainSequence] = []
     session_rewards: list[float] = []
     truncated = 0
-    if config.estimator == "reinforce_pp":
+    if estimator(config.estimator).whole_batch:
         per_group = _batch_advantages(valid, config)
     else:
         per_group = [session_advantages(group, config) for group in valid]
@@ -164,7 +164,7 @@ def prepare_train_data(
 
 
 def _batch_advantages(groups: list[list[RolloutSample]], config: AdvantageConfig) -> list[list[float]]:
-    """REINFORCE++ whitens across the batch, so all groups go through the estimator together."""
+    """A whole-batch estimator (REINFORCE++ whitens across the batch) takes all groups together."""
     if not groups:
         return []
     rewards = [torch.tensor([float(s.reward) for s in group]) for group in groups]  # type: ignore[arg-type]

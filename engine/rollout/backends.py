@@ -1,6 +1,9 @@
-"""The rollout backend a config asks for: vLLM on a GPU, or the transformers loop anywhere."""
+"""The rollout backend a config asks for, built by name: vLLM on a GPU, or the transformers loop
+anywhere. Each name here is a row of ``engine.config.backends.ROLLOUT_BACKENDS`` (what it needs)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -10,22 +13,32 @@ from engine.rollout.base import RolloutBackend
 from engine.rollout.transformers_backend import TransformersRollout
 
 
-def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
-    """vLLM when configured (GPU only); otherwise the transformers loop on the trainer's device,
-    bf16 on GPU, fp32 on CPU."""
-    rollout = config.rollout
-    if rollout.backend == "vllm":
-        from engine.rollout.vllm_backend import VllmRollout  # vLLM is an optional extra
+def _vllm(config: TrellisConfig, tokenizer) -> RolloutBackend:
+    from engine.rollout.vllm_backend import VllmRollout  # vLLM is an optional extra
 
-        longest = config.max_prompt_length + rollout.max_new_tokens
-        return VllmRollout(
-            config.load_from,
-            tokenizer,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            max_model_len=longest,
-            sleep_level=rollout.sleep_level,
-            seed=config.seed,
-        )
+    rollout = config.rollout
+    return VllmRollout(
+        config.load_from,
+        tokenizer,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_model_len=config.max_prompt_length + rollout.max_new_tokens,
+        sleep_level=rollout.sleep_level,
+        seed=config.seed,
+    )
+
+
+def _transformers(config: TrellisConfig, tokenizer) -> RolloutBackend:
+    """On the trainer's device, bf16 on GPU, fp32 on CPU."""
     device = rollout_device(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return TransformersRollout(config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed)
+
+
+BUILDERS: dict[str, Callable[[TrellisConfig, object], RolloutBackend]] = {"vllm": _vllm, "transformers": _transformers}
+
+
+def build_rollout_backend(config: TrellisConfig, tokenizer) -> RolloutBackend:
+    name = config.rollout.backend
+    if name not in BUILDERS:
+        raise ValueError(f"Unknown rollout backend {name!r}; trellis builds {', '.join(sorted(BUILDERS))}.")
+    return BUILDERS[name](config, tokenizer)

@@ -1,0 +1,58 @@
+"""The registries a config's choices resolve through: every rollout backend and advantage estimator a
+config can name has a row (what it needs, how it is built or computed), and no row exists that a config
+cannot name; an unknown name is refused with the choices. Tried: a backend and an estimator trellis
+does not have, by config and by name."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+import torch
+
+from engine.algo.advantages import ESTIMATORS, estimator, grpo, pass_at_k, rloo
+from engine.config import AdvantageConfig
+from engine.config.backends import ROLLOUT_BACKENDS, backend_traits, configurable_backends
+from engine.config.loading import ConfigError, load_config
+from engine.devices import rollout_device
+from engine.rollout.backends import BUILDERS
+
+
+def test_every_backend_a_config_can_name_has_its_traits_and_its_builder():
+    assert configurable_backends() == set(ROLLOUT_BACKENDS) == set(BUILDERS) == {"transformers", "vllm"}
+
+
+def test_every_estimator_a_config_can_name_is_computed_by_its_own_function():
+    """A name left out of the table would fail here, not fall through to another estimator."""
+    names = set(get_args(AdvantageConfig.model_fields["estimator"].annotation))
+    assert names == set(ESTIMATORS)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    lengths = torch.tensor([4, 8, 8, 2, 8, 8, 8, 8])
+    results = {
+        name: estimator(name).advantages([rewards], AdvantageConfig(estimator=name), [lengths])[0] for name in sorted(names)
+    }
+    assert torch.allclose(results["grpo"], grpo(rewards, AdvantageConfig().eps))
+    assert torch.allclose(results["rloo"], rloo(rewards))
+    assert torch.allclose(results["pass_at_k"], pass_at_k(rewards, AdvantageConfig().pass_at_k))
+    distinct = {tuple(round(v, 5) for v in advantages.tolist()) for advantages in results.values()}
+    assert len(distinct) == len(names)  # no two names compute the same thing on this group
+    assert [name for name, e in ESTIMATORS.items() if e.whole_batch] == ["reinforce_pp"]
+
+
+def test_unknown_names_are_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"rollout.backend: Input should be 'transformers' or 'vllm'"):
+        load_config(None, rollout={"backend": "sglang"})
+    with pytest.raises(ConfigError, match=r"advantage.estimator: Input should be 'grpo'"):
+        load_config(None, advantage={"estimator": "ppo"})
+    with pytest.raises(ValueError, match=r"Unknown rollout backend 'sglang'; trellis has transformers, vllm"):
+        backend_traits("sglang")
+    with pytest.raises(ValueError, match=r"Unknown advantage estimator 'ppo'; trellis has drgrpo, grpo, opo, pass_at_k, reinforce_pp, rloo"):
+        estimator("ppo")
+
+
+def test_the_backend_traits_decide_where_the_rollout_runs():
+    on_cpu = {"train_worker": {"device": "cpu"}, "load_from": "my-model", "train_dataset": {"path": "prompts.parquet"},
+              "total_train_steps": 1}
+    assert rollout_device(load_config(None, **on_cpu)).type == "cpu"
+    assert rollout_device(load_config(None, rollout={"backend": "vllm"}, **on_cpu)).type == "cuda"
+    assert backend_traits("vllm").needs_gpu and not backend_traits("transformers").needs_gpu
