@@ -1,6 +1,7 @@
 """Every validation rule of the config, each with the message a user sees."""
 
 import pytest
+from pydantic import ValidationError
 
 from engine.config.loading import ConfigError, load_config
 
@@ -17,7 +18,7 @@ def test_a_minimal_config_is_valid_and_frozen():
     config = load_config(None, **BASE)
     assert config.train_batch_size == 16 and config.prompt_repeat_k == 8
     assert config.tokenizer_source == "/models/tiny"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.seed = 1  # configs are frozen: derived values live in run state
 
 

@@ -61,9 +61,10 @@ def _sequences(vocab: int) -> list[TrainSequence]:
 )
 def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data, options):
     """Same batch, same start, three steps of two micro-batches each (CUDA graphs are recorded by the
-    second step and replayed by the second micro-batch and the third step): the packed GPU layout (with FSDP2's bf16 policy, the whole decoder compiled as one graph,
-    or compiled layers replayed as CUDA graphs; or FlashAttention-4 between compiled layers, the head
-    recomputing its logits) reports what padded rows do at every step."""
+    second step and replayed by the second micro-batch and the third step): the packed GPU layout (with
+    FSDP2's bf16 policy, the whole decoder compiled as one graph, or compiled layers replayed as CUDA
+    graphs; or FlashAttention-4 between compiled layers, the head recomputing its logits) reports what
+    padded rows do at every step."""
     _needs(options)
     metrics = {}
     for name, worker_options in (("padded", {"layout": "padded"}), ("tested", options)):

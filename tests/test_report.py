@@ -4,7 +4,6 @@ S3, and the clear errors for runs that have nothing to report."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import shutil
 from pathlib import Path

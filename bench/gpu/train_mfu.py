@@ -251,11 +251,12 @@ def main() -> None:
         del model, step
         gc.collect()
     plain = results["variants"].get("plain", {}).get("tokens_per_s")
-    for name, figures in results["variants"].items():
+    for figures in results["variants"].values():
         if plain and "tokens_per_s" in figures:
             figures["speed_vs_plain"] = figures["tokens_per_s"] / plain
     result_file.write_text(json.dumps(results, indent=2))
-    print(json.dumps({n: {k: v for k, v in f.items() if k in ("mfu", "tokens_per_s", "speed_vs_plain", "error")} for n, f in results["variants"].items()}, indent=1))
+    shown = ("mfu", "tokens_per_s", "speed_vs_plain", "error")
+    print(json.dumps({n: {k: v for k, v in f.items() if k in shown} for n, f in results["variants"].items()}, indent=1))
 
 
 if __name__ == "__main__":

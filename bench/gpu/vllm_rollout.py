@@ -97,24 +97,26 @@ def main() -> None:
     with torch.no_grad():
         for parameter in trainer.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.02)
+    weights = trainer.state_dict()
     sync = []
     for _ in range(3):
-        seconds, _ = timed(lambda: backend.load_weights(trainer.state_dict(), policy_version=1))
+        seconds, _ = timed(lambda: backend.load_weights(weights, policy_version=1))
         sync.append(seconds)
     changed = [g.response_ids for g in backend.generate(probe, greedy)] != before
     switch = {"sleep_s": [], "wake_s": [], "sync_while_asleep_s": []}
     for _ in range(3):
         switch["sleep_s"].append(timed(backend.offload)[0])
-        switch["sync_while_asleep_s"].append(timed(lambda: backend.load_weights(trainer.state_dict(), 2))[0])
+        switch["sync_while_asleep_s"].append(timed(lambda: backend.load_weights(weights, 2))[0])
         switch["wake_s"].append(timed(backend.onload)[0])
     result["weight_sync"] = {
-        "tensors": len(trainer.state_dict()),
-        "gb_fp32": sum(t.numel() * 4 for t in trainer.state_dict().values()) / 1e9,
+        "tensors": len(weights),
+        "gb_fp32": sum(t.numel() * 4 for t in weights.values()) / 1e9,
         "median_s": statistics.median(sync),
         "outputs_changed": changed,
     }
     result["switch"] = {k: statistics.median(v) for k, v in switch.items()}
     del trainer
+    weights = None  # the state dict holds the trainer's GPU tensors too
     backend.offload()
     torch.cuda.empty_cache()
 

@@ -5,8 +5,9 @@ rows skipped, failed samples, skipped groups, worker errors, restarts and retrie
 Every line is ``TIME LEVEL message``. ``STEP`` lines are the per-step summaries (the console's
 progress bar shows the same); ``INFO``, ``WARNING`` and ``ERROR`` lines are also what the console
 prints beside the bar. A failure is one ``ERROR`` line (what failed, why, what happens next) followed
-by its full traceback, a worker's included, as ``TRACE`` lines that the console does not show. The file is read back through fsspec, so it works on object storage too,
-where it is rewritten whole (a few hundred bytes a step) because objects cannot be appended to.
+by its full traceback, a worker's included, as ``TRACE`` lines that the console does not show. The
+file is read back through fsspec, so it works on object storage too, where it is rewritten whole (a
+few hundred bytes a step) because objects cannot be appended to.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def step_summary(step: int, total: int, metrics: Mapping[str, float]) -> str:
     add("eval", "eval/accuracy")
     add("tokens/s", "throughput/effective_tgs", ".0f")
     add("step_s", "time/step", ".2f")
-    phases = [f"{name} {metrics[f'time/{name}']:.2f}" for name in ("produce_batch", "get_batch", "fit", "sync_weights", "evaluate") if f"time/{name}" in metrics]
+    timed = ("produce_batch", "get_batch", "fit", "sync_weights", "evaluate")
+    phases = [f"{name} {metrics[f'time/{name}']:.2f}" for name in timed if f"time/{name}" in metrics]
     if phases:
         parts.append(f"({', '.join(phases)})")
     return "  ".join(parts)
