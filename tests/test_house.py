@@ -1,6 +1,9 @@
-"""Sizes a newcomer can read: no module past ~400 lines, no function past ~60 (STYLE.md)."""
+"""What a newcomer can read: no module past ~400 lines, no function past ~60, and the lint rules of
+pyproject.toml's [tool.ruff] met everywhere (bench/ and tests/ included)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +30,9 @@ def test_no_function_is_past_sixty_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}::{node.name}"] = lines
     assert long == {}
+
+
+def test_the_code_meets_its_lint_rules():
+    ruff = Path(sys.executable).with_name("ruff")
+    result = subprocess.run([str(ruff), "check", "--output-format", "concise", "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
