@@ -2,7 +2,8 @@
 with each field's type, default, bounds and description, each section's own checks, and the
 cross-field rules of ``engine.config.rules`` with the messages they raise. The docs site calls
 ``config_reference()`` when it is built (``docs/hooks/config_reference.py``), so the page cannot drift
-from the code; ``reference_keys()`` lists every key, for the test that holds the page to it."""
+from the code; ``reference_keys()`` lists every key, for the test that holds the page to it.
+``python -m engine.config.reference`` prints the page."""
 
 from __future__ import annotations
 
@@ -259,3 +260,7 @@ def config_reference() -> str:
     for model, keys in sections().items():
         lines += model_section(model, keys)
     return "\n".join(lines + rules_section() + value_types_section())
+
+
+if __name__ == "__main__":
+    print(config_reference())
