@@ -142,9 +142,10 @@ def model_section(model: type[BaseModel], keys: list[str]) -> list[str]:
     lines = [f"## {title} {{#{anchor(model)}}}", "", f"`{model.__module__}.{model.__name__}`", ""]
     if model.__doc__ and model is not BaseModel:
         lines += [inspect.cleandoc(model.__doc__), ""]
-    lines += ["| key | type | default | bounds | description |", "| --- | --- | --- | --- | --- |"]
+    lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     for name, field in model.model_fields.items():
-        row = [f"`{name}`", type_text(field.annotation, field.metadata), default_text(field), bounds_text(field), describe(field)]
+        kind = ", ".join(part for part in (type_text(field.annotation, field.metadata), bounds_text(field)) if part)
+        row = [f"`{name}`", kind, default_text(field), describe(field)]
         lines.append("| " + " | ".join(cell(part) for part in row) + " |")
     checks = [check for check in section_checks(model) if check]
     if checks:
@@ -249,6 +250,10 @@ def value_types_section() -> list[str]:
 def config_reference() -> str:
     """The whole page, Markdown."""
     lines = [
+        "---",
+        "hide: [navigation]",  # the tables want the width
+        "---",
+        "",
         "# Configuration reference",
         "",
         "One frozen pydantic model, `engine.config.TrellisConfig`, read from YAML (`trellis train my.yaml "
