@@ -173,20 +173,32 @@ def section_checks(model: type[BaseModel]) -> list[str]:
     return found
 
 
-def messages(function: Callable[..., Any]) -> list[str]:
-    """The problems a validator reports, read from its source: the strings it raises or appends, with
-    each ``{...}`` placeholder shown as written. Helpers it calls from this package are read too."""
+def messages(function: Callable[..., Any], known: dict[str, str] | None = None) -> list[str]:
+    """The problems a validator reports, read from its source in order: the strings it raises or
+    appends. A placeholder shows as written (``{sync}``), or as its value where that is known (a
+    module constant, an argument the caller passed as a literal); an expression shows as ``{…}``.
+    Helpers it calls from this package (``checked_runtime_env``) are read too, with their arguments."""
     function = inspect.unwrap(getattr(function, "__func__", function))
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    found = []
+    known = {**_constants(function), **(known or {})}
+    found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and _reports(node):
-            found += [_message_text(arg) for arg in node.args[:1] if _message_text(arg)]
+            found += [(node.lineno, _message_text(node.args[0], known))]
         elif isinstance(node, ast.Return) and node.value is not None:
-            found += [_message_text(item) for item in _listed(node.value) if _message_text(item)]
+            found += [(node.lineno, _message_text(item, known)) for item in _listed(node.value)]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == checked_runtime_env.__name__:
-            found += messages(checked_runtime_env)
-    return list(dict.fromkeys(found))
+            found += [(node.lineno, text) for text in messages(checked_runtime_env, _literal_arguments(checked_runtime_env, node))]
+    return list(dict.fromkeys(text for _, text in sorted(found, key=lambda item: item[0]) if text))
+
+
+def _constants(function: Callable[..., Any]) -> dict[str, str]:
+    return {name: repr(value) for name, value in function.__globals__.items() if name.isupper() and isinstance(value, str)}
+
+
+def _literal_arguments(helper: Callable[..., Any], call: ast.Call) -> dict[str, str]:
+    names = list(inspect.signature(helper).parameters)
+    return {names[i]: arg.value for i, arg in enumerate(call.args) if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
 
 
 def _reports(call: ast.Call) -> bool:
@@ -202,14 +214,20 @@ def _listed(value: ast.expr) -> list[ast.expr]:
     return []
 
 
-def _message_text(node: ast.expr) -> str:
+def _message_text(node: ast.expr, known: dict[str, str]) -> str:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
-    if isinstance(node, ast.JoinedStr):
-        return "".join(
-            part.value if isinstance(part, ast.Constant) else "{" + ast.unparse(part.value) + "}" for part in node.values
-        )
-    return ""
+    if not isinstance(node, ast.JoinedStr):
+        return ""
+    return "".join(part.value if isinstance(part, ast.Constant) else _placeholder(part.value, known) for part in node.values)
+
+
+def _placeholder(value: ast.expr, known: dict[str, str]) -> str:
+    written = ast.unparse(value)
+    if written in known:
+        return known[written]
+    simple = isinstance(value, ast.Name) or (isinstance(value, ast.Attribute) and isinstance(value.value, (ast.Name, ast.Attribute)))
+    return "{" + (written if simple else "…") + "}"
 
 
 def rules_section() -> list[str]:
