@@ -1,7 +1,7 @@
 """The configuration reference, written from the models themselves: every section of ``TrellisConfig``
 with each field's type, default, bounds and description, each section's own checks, and the
 cross-field rules of ``engine.config.rules`` with the messages they raise. The docs site calls
-``config_reference()`` when it is built (``docs/hooks/config_reference.py``), so the page cannot drift
+``config_reference()`` when it is built (``docs/hooks/generated_pages.py``), so the page cannot drift
 from the code; ``reference_keys()`` lists every key, for the test that holds the page to it.
 ``python -m engine.config.reference`` prints the page."""
 
