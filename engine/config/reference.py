@@ -134,7 +134,10 @@ def sign_name(kind: type) -> str:
 
 
 def cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One line of a table cell. A pipe ends the cell unless escaped, except inside a code span, where
+    the table reads it as text (and an escape would show)."""
+    parts = " ".join(text.split()).split("`")
+    return "`".join(part if index % 2 else part.replace("|", "\\|") for index, part in enumerate(parts))
 
 
 def model_section(model: type[BaseModel], keys: list[str]) -> list[str]:
