@@ -1,1 +1,1 @@
-"""The RL machinery, usable without Prefect: one folder per concern (see the README's Architecture)."""
+"""The RL machinery, usable without Prefect: one folder per concern (see docs/architecture.md)."""

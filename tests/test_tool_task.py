@@ -1,6 +1,6 @@
 """The bundled multi-turn task learns through the Prefect flow on the Ray cluster: the tiny model
 calls the lookup tool, reads its output and answers; GRPO lifts held-out greedy success past 0.75.
-The sessions' turns, masks and tool calls are in the lake (read with DuckDB, as the README does),
+The sessions' turns, masks and tool calls are in the lake (read with DuckDB, as docs/agents.md does),
 and a stored step replays into ``debug_train`` with the loss the flow computed."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_the_lookup_task_learns_through_the_flow_and_its_sessions_replay(lookup,
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
     assert metrics[1]["agent/tool_calls"] >= 128 and metrics[1]["agent/ended_answer"] >= 120
 
-    # The README's query: sessions, tool calls and masked tokens per step, straight from Parquet.
+    # The query of docs/agents.md: sessions, tool calls and masked tokens per step, straight from Parquet.
     glob = f"{config.run_uri}/trajectories/split=train/*/*.parquet"
     per_step = duckdb.sql(f"""
         SELECT CAST(step AS INT) AS step, count(*) AS sessions,

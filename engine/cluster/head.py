@@ -8,7 +8,7 @@ silently starts a cluster of its own, and named actors would not outlive the pro
 A Ray cluster runs any code that reaches it (the ShadowRay attacks, CVE-2023-48022), so the head
 trellis starts is private: every Ray process of it listens on 127.0.0.1 only, and it asks every
 client for a token kept in ``{cluster.home}/ray-auth-token`` (mode 0600). To open a cluster to other
-nodes, start it yourself on a private network (README: *A cluster for several machines*).
+nodes, start it yourself on a private network (docs/cluster-and-security.md: *A cluster of several machines*).
 """
 
 from __future__ import annotations

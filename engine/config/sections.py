@@ -14,11 +14,11 @@ class DatasetConfig(Frozen):
     """A prompt dataset: Parquet or JSONL, local or any fsspec URI."""
 
     path: Location = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
-    format: Literal["auto", "parquet", "jsonl"] = "auto"
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    data_source_key: str = "data_source"
-    task_name_key: str = "task_name"
+    format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="auto: from the file extension.")
+    prompt_key: str = Field("prompt", description="Column of the prompt: a string, or a list of {role, content} messages.")
+    label_key: str = Field("label", description="Column of the label the reward function compares with (optional).")
+    data_source_key: str = Field("data_source", description="Column that groups evaluation metrics and picks reward.by_data_source (optional).")
+    task_name_key: str = Field("task_name", description="Column of the task name (optional).")
     max_prompt_length: int = Field(
         1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
     )
@@ -27,13 +27,15 @@ class DatasetConfig(Frozen):
 
 
 class RolloutConfig(Frozen):
+    """How responses are generated: the backend and its sampling settings."""
+
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="transformers runs anywhere (CPU default); vllm needs an accelerator."
     )
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    max_new_tokens: int = Field(8, gt=0)
+    max_new_tokens: int = Field(8, gt=0, description="Token budget of a response (of a whole session in an agent loop).")
     stop_token_ids: tuple[int, ...] = Field((), description="Extra stop tokens; the tokenizer's eos always stops.")
     eval_temperature: float = Field(0.0, ge=0.0, description="Evaluation samples greedily by default.")
     eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
@@ -53,6 +55,8 @@ class RolloutConfig(Frozen):
 
 
 class RewardConfig(Frozen):
+    """How a sample is scored: your function, run in worker processes with a time limit."""
+
     function: str = Field(
         "engine.tiny.reverse_task:score",
         description="`module:function` taking the sample dict and returning a float or a dict with 'score'.",
@@ -68,7 +72,7 @@ class RewardConfig(Frozen):
         description="DAPO's soft overlong punishment: a response longer than (its token budget - this) loses "
         "overlong_penalty_factor x excess / overlong_buffer_len of reward, the whole factor at the budget. 0: off.",
     )
-    overlong_penalty_factor: float = Field(1.0, gt=0.0)
+    overlong_penalty_factor: float = Field(1.0, gt=0.0, description="The reward lost at the budget (see overlong_buffer_len).")
 
 
 class AgentConfig(Frozen):
@@ -78,7 +82,7 @@ class AgentConfig(Frozen):
     generated, with the tools' outputs between them (masked out of the loss); ``rollout.max_new_tokens``
     is the budget of the whole session."""
 
-    loop: Literal["single_turn", "tool", "openai"] = "single_turn"
+    loop: Literal["single_turn", "tool", "openai"] = Field("single_turn", description="single_turn, tool (Hermes-format tool calls), or openai (your agent).")
     tools: str | None = Field(
         None,
         description="tool loop: `module:TOOLS` or `file.py:TOOLS`, a dict of name -> callable, a list of callables or one "
@@ -98,7 +102,7 @@ class AgentConfig(Frozen):
         20.0, gt=0.0, description="openai loop: calls arriving within this of each other are generated in one batch."
     )
     max_turns: int = Field(4, ge=1, description="Assistant turns per session; one still calling tools after them ends the session.")
-    max_calls_per_turn: int = Field(4, ge=1)
+    max_calls_per_turn: int = Field(4, ge=1, description="Tool calls run per assistant turn.")
     tool_timeout_s: float = Field(5.0, gt=0.0, description="A call past this shows the model a timeout error.")
     tool_memory_mb: int = Field(512, ge=16, description="What one call may allocate beyond its worker's own memory.")
     tool_output_max_chars: int = Field(1000, ge=16, description="Longer outputs are cut (and say so).")
@@ -122,6 +126,8 @@ class AgentConfig(Frozen):
 
 
 class AdvantageConfig(Frozen):
+    """How a group's rewards become advantages."""
+
     estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "pass_at_k", "opo"] = Field(
         "grpo", description="opo: reward minus the group's response-length-weighted mean reward."
     )
@@ -133,19 +139,23 @@ class AdvantageConfig(Frozen):
 class RolloutISConfig(Frozen):
     """Importance-sampling correction for the train/rollout policy mismatch."""
 
-    level: Literal["none", "token", "sequence"] = "none"
-    mode: Literal["truncate", "mask"] = "truncate"
-    upper: float = Field(2.0, gt=1.0)
+    level: Literal["none", "token", "sequence"] = Field("none", description="Ratio per token, per sequence, or no correction.")
+    mode: Literal["truncate", "mask"] = Field("truncate", description="truncate: cap the ratio at upper; mask: drop tokens outside [lower, upper].")
+    upper: float = Field(2.0, gt=1.0, description="Upper bound of the importance ratio.")
     lower: float | None = Field(None, gt=0.0, lt=1.0, description="mask mode only; default 1/upper.")
 
 
 class LossConfig(Frozen):
-    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """The clipped policy-gradient loss (PPO/GRPO), its aggregation and optional KL term."""
+
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip range of the ratio.")
     clip_eps_high: float = Field(0.2, gt=0.0, description="Clip-higher (DAPO) when larger than clip_eps_low.")
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages.")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How token losses become the batch loss: over all tokens, or per sequence first."
+    )
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the initial (reference) model; 0 loads none.")
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="Estimator of the KL term.")
     mask_truncated: bool = Field(
         False,
         description="DAPO's overlong filtering: a response cut at its token budget stays in its group's baseline "
@@ -155,21 +165,25 @@ class LossConfig(Frozen):
 
 
 class OptimConfig(Frozen):
+    """AdamW and its learning-rate schedule."""
+
     lr: float = Field(3e-4, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warmup_steps, to min_lr_ratio x lr.")
     warmup_steps: int = Field(0, ge=0, description="Counted in optimizer steps.")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The lr a decaying schedule ends at, as a fraction of lr.")
 
 
 class TrainWorkerConfig(Frozen):
+    """The trainer: how batches are split, laid out and computed."""
+
     optimizer_steps: int = Field(1, gt=0, description="Mini-batches (optimizer steps) per rollout batch.")
     pack_max_length: int = Field(4096, gt=0, description="Token budget of one micro-batch.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more compute.")
     layout: Literal["auto", "packed", "padded", "shared_prefix"] = Field(
         "auto",
         description="How a micro-batch meets the model. packed: sequences end to end in one row with "
@@ -228,7 +242,7 @@ class TrainWorkerConfig(Frozen):
         "is filled to pack_max_length so that one graph serves every micro-batch; the fill is computed. The "
         "graphs keep their memory while the trainer is offloaded, so this suits a trainer that owns its GPU.",
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda where there is a GPU, else cpu.")
     offload_when_idle: bool = Field(
         True,
         description="Colocated: move weights and AdamW state to CPU while the rollout runs (as XTuner does). "
@@ -282,7 +296,7 @@ class DynamicSamplingConfig(Frozen):
     baseline and teaches nothing, so it is dropped (FILTERED, kept in the lake) and more prompts are
     sampled until the step has ``train_batch_size`` groups with a reward spread."""
 
-    enable: bool = False
+    enable: bool = Field(False, description="Drop groups whose rewards are all equal and sample more prompts.")
     max_rounds: int = Field(
         8, ge=1, description="Generation rounds per step, the first included; a batch still short after them trains on what it has."
     )

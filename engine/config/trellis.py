@@ -1,8 +1,8 @@
 """The run configuration: one frozen pydantic model, loadable from YAML.
 
 Field names follow XTuner v1's ``BaseRLTrainerConfig`` where a field exists there (``load_from``,
-``train_batch_size``, ``sync_weights_interval``, ...), so XTuner users feel at home; the README's
-configuration table says where a meaning differs. Every knob is a field; nothing is read from
+``train_batch_size``, ``sync_weights_interval``, ...), so XTuner users feel at home; the generated
+configuration reference (docs/configuration.md) says where a meaning differs. Every knob is a field; nothing is read from
 environment variables. Cross-field rules raise ``ValueError`` with a message that says what to change.
 """
 
@@ -38,12 +38,16 @@ class TrellisConfig(Frozen):
     load_from: Location = Field(description="HF checkpoint folder (or fsspec URI) of the policy to train.")
     tokenizer_path: Location | None = Field(None, description="Defaults to load_from.")
     train_dataset: DatasetConfig | None = Field(None, description="The prompts of a one-task run; several tasks go in `tasks`.")
-    eval_dataset: DatasetConfig | None = None
+    eval_dataset: DatasetConfig | None = Field(None, description="Held-out prompts for evaluation (enable_evaluate, enable_initial_evaluate).")
     tasks: list[TaskConfig] = Field(
         default_factory=list, description="A multi-task run: each task with its dataset, agent loop, reward and weight."
     )
     work_dir: Location = Field("work_dirs", validate_default=True, description="Any fsspec URI: trajectories, checkpoints, logs go here.")
-    experiment_name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    experiment_name: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The run's name: outputs go to {work_dir}/{experiment_name}/, its workers to the Ray namespace trellis-{experiment_name}.",
+    )
     storage_options: StorageOptions = Field(
         default_factory=dict,
         repr=False,
@@ -51,10 +55,12 @@ class TrellisConfig(Frozen):
         "secret-looking entries are masked wherever the config is written out.",
     )
 
-    train_batch_size: int = Field(16, gt=0, description="Prompts (groups) per training step.")
+    train_batch_size: int = Field(
+        16, gt=0, description="Prompts (groups) per training step. XTuner's counts rollout samples: its 128 is 16 here with prompt_repeat_k: 8."
+    )
     prompt_repeat_k: int = Field(8, gt=0, description="Samples per prompt: the GRPO group size.")
-    total_train_steps: int | None = None
-    total_epochs: int | None = None
+    total_train_steps: int | None = Field(None, description="Steps to train; this or total_epochs is required.")
+    total_epochs: int | None = Field(None, description="Epochs to train: dataset_size // train_batch_size * total_epochs steps.")
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -65,15 +71,19 @@ class TrellisConfig(Frozen):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
 
-    sync_weights_interval: int = 1
-    enable_evaluate: bool = Field(False, description="Needs eval_dataset.")
-    enable_initial_evaluate: bool = False
-    evaluate_step: int = 1
-    checkpoint_interval: int | None = -1
-    checkpoint_maxkeep: int | None = -1
-    hf_interval: int | None = -1
-    hf_max_keep: int | None = -1
-    checkpoint_no_save_optimizer: bool = False
+    sync_weights_interval: int = Field(1, description="Steps between weight syncs to the rollout workers; saves and evaluations fall on sync steps.")
+    enable_evaluate: bool = Field(
+        False, description="Needs eval_dataset. XTuner's defaults to true; off here since most datasets come without a held-out split."
+    )
+    enable_initial_evaluate: bool = Field(False, description="Evaluate the initial policy before the first step (step 0).")
+    evaluate_step: int = Field(1, description="Steps between evaluations; a multiple of sync_weights_interval.")
+    checkpoint_interval: int | None = Field(-1, description="Steps between checkpoints (and at the last step); -1 or null: none.")
+    checkpoint_maxkeep: int | None = Field(-1, description="Complete checkpoints kept; -1 or null: all. The newest is never removed.")
+    hf_interval: int | None = Field(-1, description="Steps between HF exports (and at the last step); -1 or null: none.")
+    hf_max_keep: int | None = Field(-1, description="HF exports kept; -1 or null: all.")
+    checkpoint_no_save_optimizer: bool = Field(
+        False, description="Leave AdamW state out of checkpoints; resuming then needs load_checkpoint_cfg.load_optimizer_states: false."
+    )
     checkpoint_no_save_replay_buffer: bool = Field(
         False,
         description="disaggregated: keep only the buffered prompts in checkpoints (not their generations), "
@@ -82,19 +92,21 @@ class TrellisConfig(Frozen):
     auto_resume: bool = Field(False, description="Continue from the latest complete checkpoint of this run, if any.")
     load_checkpoint_cfg: LoadCheckpointConfig = Field(default_factory=LoadCheckpointConfig)
 
-    seed: int = 42
+    seed: int = Field(42, description="Seeds prompt order, sampling and initialisation; a resumed run continues its RNG streams.")
     deterministic: bool = Field(False, description="Deterministic kernels and no micro-batch shuffle.")
-    debug_rollout: bool = False
-    debug_train: bool = False
-    debug_rollout_dir: Location | None = None
-    exp_tracker: Literal["tensorboard", "jsonl"] = "tensorboard"
+    debug_rollout: bool = Field(False, description="Start no trainer: generate and score batches with the initial policy into debug_rollout_dir.")
+    debug_train: bool = Field(False, description="Start no rollout worker: train on the batches stored under debug_rollout_dir, one per step.")
+    debug_rollout_dir: Location | None = Field(None, description="Where debug_rollout writes and debug_train reads; any run folder works.")
+    exp_tracker: Literal["tensorboard", "jsonl"] = Field(
+        "tensorboard", description="TensorBoard events beside metrics.jsonl (always written), or metrics.jsonl alone."
+    )
     log_dir: Location | None = Field(None, description="Where the run's text log (run.log) goes; default {run}/logs.")
     artifact_links: Literal["uri", "console", "presigned"] = Field(
         "uri",
         description="How Prefect artifacts link s3:// partitions and checkpoints: as URIs, as AWS console links, or as "
         "presigned HTTPS links (valid for artifact_link_expiry_s).",
     )
-    artifact_link_expiry_s: int = Field(7 * 24 * 3600, gt=0, le=7 * 24 * 3600)
+    artifact_link_expiry_s: int = Field(7 * 24 * 3600, gt=0, le=7 * 24 * 3600, description="How long presigned artifact links stay valid.")
 
     trainer: Literal["colocated", "disaggregated"] = Field(
         "colocated",
