@@ -40,8 +40,9 @@ process; ``--rounds`` alternates them.
         [--vllm-memory 0.3] [--verl-timeout 420] [--no-remove-padding] [--no-grad-ckpt] [--set KEY=VALUE ...]
     python bench/gpu/verl_peer.py OUT_DIR --dry-run   # CPU: data, reward file, overrides, composed config
 
-writes OUT_DIR/h200_verl_peer.json, verl's log (verl_<round>.log), its per-step metrics
-(verl_<round>.jsonl) and the config it composed (verl_<round>_config.yaml).
+writes OUT_DIR/h200_verl_peer.json (the command verl ran with is in it), verl's log (verl_<round>.log),
+its per-step metrics (verl_<round>.jsonl), the config its Hydra run saved (verl_<round>_config.yaml) and
+verl_runs_so_far.json after each contestant (what a call cut short still returns).
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def overrides(args: argparse.Namespace, model: Path, train: Path, val: Path, rou
         f"trainer.default_local_dir={WORK / 'verl_checkpoints'}",
         f"trainer.total_training_steps={args.steps}",
         "+ray_kwargs.ray_init.include_dashboard=False",
+        "+ray_kwargs.ray_init.address=local",  # a cluster of its own, inheriting this environment, never one left running
         f"hydra.run.dir={WORK / f'verl_hydra_{round_}'}",
     ]
     return o + list(args.set)
@@ -175,7 +177,6 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
     metrics, log = args.out / f"verl_{round_}.jsonl", args.out / f"verl_{round_}.log"
     metrics.unlink(missing_ok=True)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, train, val, round_)]
-    (args.out / f"verl_{round_}_command.txt").write_text(" \\\n  ".join(command) + "\n")
     started, error = time.perf_counter(), None
     with PeakGpuMemory() as memory, open(log, "w") as handle:
         child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=verl_env(args, metrics),
@@ -197,14 +198,14 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
     measured = [s for s in steps if s["step"] > WARMUP_STEPS]
     if len(measured) < 2:
         return {"error": error or f"only {len(steps)} steps logged: see {log.name}", "steps_logged": len(steps), "wall_s": wall,
-                "steps": steps}
+                "steps": steps, "command": command}
     wall_steps = [s["timing_s/step"] for s in measured]
     tokens = [s["response_length/mean"] * s["samples"] for s in measured]
     samples = sum(s["samples"] for s in measured)
     result = {"step_s": statistics.median(wall_steps), "steps_s": [s["timing_s/step"] for s in steps],
               "trained_response_tokens": sum(tokens), "trained_response_tokens_per_s": sum(tokens) / sum(wall_steps),
               "response_len_mean": sum(tokens) / samples, "peak_gpu_gib": peak_gib, "wall_s": wall,
-              "phases_s": phase_medians(measured), "steps": steps,
+              "phases_s": phase_medians(measured), "steps": steps, "command": command,
               "settings": {**verl_settings(args, hydra_config, model, train), "warm-up steps": WARMUP_STEPS,
                            "measured steps": len(measured)}}
     if error:
