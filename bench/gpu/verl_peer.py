@@ -55,6 +55,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
     metrics.unlink(missing_ok=True)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, train, val, round_)]
     started, error = time.perf_counter(), None
-    with PeakGpuMemory() as memory, open(log, "w") as handle:
+    with PeakGpuMemory() as memory, LineClock(metrics) as clock, open(log, "w") as handle:
         child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=verl_env(args, metrics),
                                  cwd=str(WORK), start_new_session=True)
         try:
@@ -206,6 +207,8 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
               "trained_response_tokens": sum(tokens), "trained_response_tokens_per_s": sum(tokens) / sum(wall_steps),
               "response_len_mean": sum(tokens) / samples, "peak_gpu_gib": peak_gib, "wall_s": wall,
               "phases_s": phase_medians(measured), "steps": steps, "command": command,
+              # wall time between the metrics lines of consecutive steps, the measured ones: a check on timing_s/step
+              "wall_between_lines_s": [b - a for a, b in zip(clock.times, clock.times[1:])][WARMUP_STEPS - 1:],
               "settings": {**verl_settings(args, hydra_config, model, train), "warm-up steps": WARMUP_STEPS,
                            "measured steps": len(measured)}}
     if error:
@@ -214,17 +217,47 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
 
 
 def end_session(child: subprocess.Popen) -> None:
-    """End verl's driver and whatever it left in its session (Ray's processes, vLLM's engine)."""
+    """End verl's driver and whatever it left in its session (Ray's processes, vLLM's engine), then wait
+    for the GPU to empty."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.perf_counter() + 15
         try:
             os.killpg(child.pid, sig)
+            while time.perf_counter() < deadline:
+                os.killpg(child.pid, 0)  # raises once no process of the session is left
+                time.sleep(0.2)
         except ProcessLookupError:
-            return
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            continue
+            break
+    if child.poll() is None:
+        child.wait()
     wait_for_free_gpu()
+
+
+class LineClock:
+    """When each line of verl's metrics file appeared (verl's file logger writes one unbuffered line per
+    step, after the step's metrics): the wall time between two lines is everything a step took, logging
+    included, a check on verl's own ``timing_s/step``."""
+
+    def __init__(self, path: Path):
+        self.path, self.times = path, []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LineClock:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.05):
+            try:
+                lines = self.path.read_bytes().count(b"\n")
+            except FileNotFoundError:
+                continue
+            self.times.extend([time.perf_counter()] * (lines - len(self.times)))
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def wait_for_free_gpu(limit_s: float = 60.0) -> None:
@@ -242,6 +275,8 @@ def wait_for_free_gpu(limit_s: float = 60.0) -> None:
 
 
 CONSOLE_STEP = re.compile(r"step:(\d+) - (.*)")
+NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf")
 
 
 def read_steps(metrics: Path, log: Path) -> list[dict]:
@@ -258,10 +293,9 @@ def read_steps(metrics: Path, log: Path) -> list[dict]:
             values = {}
             for part in match.group(2).split(" - "):
                 key, _, value = part.rpartition(":")
-                try:
-                    values[key.strip()] = float(value)
-                except ValueError:
-                    pass
+                number = NUMBER.fullmatch(NUMPY_SCALAR.sub(r"\1", value.strip()))  # numpy 2 prints np.float64(1.5)
+                if key and number:
+                    values[key.strip()] = float(number.group(0))
             raw[int(match.group(1))] = values
     steps = []
     for number, data in sorted(raw.items()):
