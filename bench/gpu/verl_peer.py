@@ -211,6 +211,16 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
               "wall_between_lines_s": [b - a for a, b in zip(clock.times, clock.times[1:])][WARMUP_STEPS - 1:],
               "settings": {**verl_settings(args, hydra_config, model, train), "warm-up steps": WARMUP_STEPS,
                            "measured steps": len(measured)}}
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(hydra_config)
+    result["verl_defaults_kept"] = {  # verl-only facts, outside the settings table the sides share
+        "vLLM sleeps after each rollout (rollout.free_cache_engine)": saved.actor_rollout_ref.rollout.free_cache_engine,
+        "packed sequences (model.use_remove_padding)": saved.actor_rollout_ref.model.use_remove_padding,
+        "dynamic batch size (actor.use_dynamic_bsz)": saved.actor_rollout_ref.actor.use_dynamic_bsz,
+        "attention": saved.actor_rollout_ref.model.override_config.get("attn_implementation", "flash_attention_2"),
+        "trainer (trainer.use_v1, v1.trainer_mode)": f"{saved.trainer.use_v1}, {saved.trainer.v1.trainer_mode}",
+    }
     if error:
         result["note"] = error  # the measured steps still count; the log says what broke after them
     return result
