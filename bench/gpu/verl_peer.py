@@ -12,8 +12,8 @@ each rollout and takes the new weights over CUDA IPC before the next), old log-p
 actor, ``use_remove_padding`` (packed sequences), gradient checkpointing ON, ``use_torch_compile`` (the
 log-prob/entropy helpers only), no dynamic batch size, FSDP with fp32 master weights and bf16 compute,
 AdamW with grad clip 1.0, verl masking the logits past ``len(tokenizer)`` (the random model's vocabulary is
-151,936; the tokenizer's is a few hundred, so verl never samples an unknown token and stops at EOS
-earlier than a sampler over the whole vocabulary would: compare tokens/s, not step times alone).
+151,936; the tokenizer's a few hundred, so verl samples EOS about once in 300 tokens where the other
+sides, sampling the whole vocabulary, never do: see ``ignore_eos`` below).
 
 Changed from verl's defaults, and why:
 - ``attn_implementation=sdpa``: verl asks transformers for ``flash_attention_2``, which needs the
@@ -22,6 +22,11 @@ Changed from verl's defaults, and why:
 - ``ppo_micro_batch_size_per_gpu=32`` and ``log_prob_micro_batch_size_per_gpu=32``: verl has no default
   (it refuses to start without one, or dynamic batch size); 32 is TRL's per-device batch in trl_peer.py.
 - ``data.max_prompt_length=64`` (default 512): the prompts are ~15 tokens; verl pads every prompt to this.
+- ``rollout.ignore_eos=True`` (``--keep-eos``: verl's default, False): on this random model every TRL and
+  trellis completion runs to 256 tokens (bench/RESULTS.md, 2026-12-03); verl, masking the vocabulary
+  tail, would stop ~60% of its samples early at EOS while its rollout still lasts as long as its longest
+  sample, so it would train fewer tokens in a step of about the same length. With ``ignore_eos`` every
+  side trains 256 x 256 response tokens a step.
 - validation, checkpoints and wandb off; ``trainer.logger=[console,file]``: the file logger's JSONL is
   what the figures are read from.
 
@@ -37,7 +42,8 @@ the sum of the measured steps' times; peak GPU memory from nvidia-smi.
 process; ``--rounds`` alternates them.
 
     python bench/gpu/verl_peer.py OUT_DIR [--steps 10] [--rounds 1] [--order verl,trellis]
-        [--vllm-memory 0.3] [--verl-timeout 420] [--no-remove-padding] [--no-grad-ckpt] [--set KEY=VALUE ...]
+        [--vllm-memory 0.3] [--verl-timeout 420] [--no-remove-padding] [--no-grad-ckpt] [--keep-eos]
+        [--set KEY=VALUE ...]
     python bench/gpu/verl_peer.py OUT_DIR --dry-run   # CPU: data, reward file, overrides, composed config
 
 writes OUT_DIR/h200_verl_peer.json (the command verl ran with is in it), verl's log (verl_<round>.log),
@@ -133,6 +139,7 @@ def overrides(args: argparse.Namespace, model: Path, train: Path, val: Path, rou
         f"actor_rollout_ref.rollout.temperature={step['temperature']}",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.ignore_eos={not args.keep_eos}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         f"reward.custom_reward_function.path={REWARD_FILE}",
@@ -219,6 +226,7 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
         "packed sequences (model.use_remove_padding)": saved.actor_rollout_ref.model.use_remove_padding,
         "dynamic batch size (actor.use_dynamic_bsz)": saved.actor_rollout_ref.actor.use_dynamic_bsz,
         "attention": saved.actor_rollout_ref.model.override_config.get("attn_implementation", "flash_attention_2"),
+        "samples run to max new tokens (rollout.ignore_eos)": saved.actor_rollout_ref.rollout.ignore_eos,
         "trainer (trainer.use_v1, v1.trainer_mode)": f"{saved.trainer.use_v1}, {saved.trainer.v1.trainer_mode}",
     }
     if error:
@@ -411,6 +419,7 @@ def main() -> None:
     parser.add_argument("--verl-timeout", type=float, default=420.0, help="seconds verl may run before it is stopped")
     parser.add_argument("--no-remove-padding", action="store_true", help="verl's padded path instead of its default packing")
     parser.add_argument("--no-grad-ckpt", action="store_true", help="activation checkpointing off (verl's default is on)")
+    parser.add_argument("--keep-eos", action="store_true", help="verl stops at EOS (its default); else every sample runs to 256 tokens")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more Hydra override for verl")
     parser.add_argument("--dry-run", action="store_true", help="CPU: build data, compose and check verl's config; run nothing")
     args = parser.parse_args()
