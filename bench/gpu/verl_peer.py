@@ -46,6 +46,19 @@ process; ``--rounds`` alternates them.
         [--set KEY=VALUE ...]
     python bench/gpu/verl_peer.py OUT_DIR --dry-run   # CPU: data, reward file, overrides, composed config
 
+On the H200 machine, once ../shared/gpu's vllm-1 and rayprefect-1 chunks have been sent (earlier calls on
+the same warm machine), in a call that carries .gpu/tools, .gpu/vllm-2 and .whl-verl
+(bench/gpu/verl_wheels.sh makes it):
+
+    source .gpu/tools/unpack.sh; test -f /tmp/vllm-site/.done -a -f /tmp/rayprefect.done || exit 3;
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+    .whl-verl/*.whl || exit 4; export PYTHONPATH=$PWD:/tmp/site; python3 bench/gpu/verl_peer.py $OUT
+    > $OUT/verl_peer.out 2>&1; echo rc=$?; tail -c 6000 $OUT/verl_peer.out; tail -c 4000 $OUT/verl_1.log
+
+verl's processes get vLLM's site (``$TRELLIS_VLLM_SITE``, which unpack.sh exports) on their PYTHONPATH
+from this script: its Ray cluster is started by verl's driver (``address=local``), so every Ray worker
+and vLLM engine process inherits the driver's environment.
+
 writes OUT_DIR/h200_verl_peer.json (the command verl ran with is in it), verl's log (verl_<round>.log),
 its per-step metrics (verl_<round>.jsonl), the config its Hydra run saved (verl_<round>_config.yaml) and
 verl_runs_so_far.json after each contestant (what a call cut short still returns).
