@@ -229,12 +229,23 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
               "phases_s": phase_medians(measured), "steps": steps, "command": command,
               # wall time between the metrics lines of consecutive steps, the measured ones: a check on timing_s/step
               "wall_between_lines_s": [b - a for a, b in zip(clock.times, clock.times[1:])][WARMUP_STEPS - 1:],
-              "settings": {**verl_settings(args, hydra_config, model, train), "warm-up steps": WARMUP_STEPS,
-                           "measured steps": len(measured)}}
+              "settings": {"warm-up steps": WARMUP_STEPS, "measured steps": len(measured)}}
+    try:  # the figures stand even if the saved config cannot be read
+        result["settings"] = {**verl_settings(args, hydra_config, model, train), **result["settings"]}
+        result["verl_defaults_kept"] = verl_defaults_kept(hydra_config)
+    except Exception as failure:
+        result["settings_error"] = f"{type(failure).__name__}: {failure}"[:500]
+    if error:
+        result["note"] = error  # the measured steps still count; the log says what broke after them
+    return result
+
+
+def verl_defaults_kept(hydra_config: Path) -> dict:
+    """verl-only facts that shape its step, outside the settings table the sides share."""
     from omegaconf import OmegaConf
 
     saved = OmegaConf.load(hydra_config)
-    result["verl_defaults_kept"] = {  # verl-only facts, outside the settings table the sides share
+    return {
         "vLLM sleeps after each rollout (rollout.free_cache_engine)": saved.actor_rollout_ref.rollout.free_cache_engine,
         "packed sequences (model.use_remove_padding)": saved.actor_rollout_ref.model.use_remove_padding,
         "dynamic batch size (actor.use_dynamic_bsz)": saved.actor_rollout_ref.actor.use_dynamic_bsz,
@@ -242,9 +253,6 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
         "samples run to max new tokens (rollout.ignore_eos)": saved.actor_rollout_ref.rollout.ignore_eos,
         "trainer (trainer.use_v1, v1.trainer_mode)": f"{saved.trainer.use_v1}, {saved.trainer.v1.trainer_mode}",
     }
-    if error:
-        result["note"] = error  # the measured steps still count; the log says what broke after them
-    return result
 
 
 def end_session(child: subprocess.Popen) -> None:
