@@ -33,9 +33,11 @@ Changed from verl's defaults, and why:
 Figures, as trl_peer.py computes them: the step wall time is verl's own ``timing_s/step`` (its
 ``marked_timer("step")`` around rollout, reward, old log-probs, advantages, the update and the weight
 sync to vLLM); the first ``WARMUP_STEPS`` are not measured; trained response tokens =
-``response_length/mean`` (tokens up to and including EOS) x the samples of the step (from
-``perf/total_num_tokens`` / (prompt + response mean), checked against 32 x 8); tokens/s = their sum over
-the sum of the measured steps' times; peak GPU memory from nvidia-smi.
+``response_length/mean`` (tokens up to and including EOS) x the samples of the step
+(``perf/total_num_tokens`` / (prompt + response mean), 32 x 8 where a step lacks them); tokens/s = their
+sum over the sum of the measured steps' times; peak GPU memory from nvidia-smi. ``wall_between_lines_s``
+checks verl's timer: the wall time between the metrics lines of consecutive steps, which also holds the
+per-step metrics and logging that ``timing_s/step`` leaves out.
 
 ``--order verl,trellis`` runs trellis's side as trl_peer.py does (``flow_steps.py --backend vllm
 --resident-trainer --early-launch-only --flow-only``) after verl, in the same call, each in its own
