@@ -1,0 +1,508 @@
+"""trellis's colocated GPU step against verl's GRPO trainer (FSDP + vLLM, its sync v1 trainer), on one GPU,
+in one call.
+
+Both train the workload of ``trl_peer.py``: the same random Qwen2-0.5B-shaped model folder and
+tokenizer, the bundled reverse task's prompts, 32 prompts x 8 samples = 256 completions of up to 256 new
+tokens per step, one optimizer step per batch, no KL term, lr 1e-6, temperature 1.0, vLLM at
+``--vllm-memory`` (0.3) of the GPU, tensor parallel 1, fp32 master weights under bf16 compute. verl is
+started as its users start it, ``python -m verl.trainer.main_ppo`` with Hydra overrides (``overrides()``
+lists every one); everything else keeps verl 0.9.1's defaults, among them: the v1 ``sync`` trainer over
+TransferQueue, the async vLLM server replica with sleep mode (vLLM frees its weights and KV cache after
+each rollout and takes the new weights over CUDA IPC before the next), old log-probs recomputed by the
+actor, ``use_remove_padding`` (packed sequences), gradient checkpointing ON, ``use_torch_compile`` (the
+log-prob/entropy helpers only), no dynamic batch size, FSDP with fp32 master weights and bf16 compute,
+AdamW with grad clip 1.0, verl masking the logits past ``len(tokenizer)`` (the random model's vocabulary is
+151,936; the tokenizer's a few hundred, so verl samples EOS about once in 300 tokens where the other
+sides, sampling the whole vocabulary, never do: see ``ignore_eos`` below).
+
+Changed from verl's defaults, and why:
+- ``attn_implementation=sdpa``: verl asks transformers for ``flash_attention_2``, which needs the
+  flash-attn package; it has no wheel on PyPI for torch 2.11 (the device's), so the device has none.
+  transformers builds the block-diagonal mask of packed sequences from ``position_ids`` for sdpa.
+- ``ppo_micro_batch_size_per_gpu=32`` and ``log_prob_micro_batch_size_per_gpu=32``: verl has no default
+  (it refuses to start without one, or dynamic batch size); 32 is TRL's per-device batch in trl_peer.py.
+- ``data.max_prompt_length=64`` (default 512): the prompts are ~15 tokens; verl pads every prompt to this.
+- ``rollout.ignore_eos=True`` (``--keep-eos``: verl's default, False): on this random model every TRL and
+  trellis completion runs to 256 tokens (bench/RESULTS.md, 2026-12-03); verl, masking the vocabulary
+  tail, would stop ~60% of its samples early at EOS while its rollout still lasts as long as its longest
+  sample, so it would train fewer tokens in a step of about the same length. With ``ignore_eos`` every
+  side trains 256 x 256 response tokens a step.
+- validation, checkpoints and wandb off; ``trainer.logger=[console,file]``: the file logger's JSONL is
+  what the figures are read from.
+
+Figures, as trl_peer.py computes them: the step wall time is verl's own ``timing_s/step`` (its
+``marked_timer("step")`` around rollout, reward, old log-probs, advantages, the update and the weight
+sync to vLLM); the first ``WARMUP_STEPS`` are not measured; trained response tokens =
+``response_length/mean`` (tokens up to and including EOS) x the samples of the step
+(``perf/total_num_tokens`` / (prompt + response mean), 32 x 8 where a step lacks them); tokens/s = their
+sum over the sum of the measured steps' times; peak GPU memory from nvidia-smi. ``wall_between_lines_s``
+checks verl's timer: the wall time between the metrics lines of consecutive steps, which also holds the
+per-step metrics and logging that ``timing_s/step`` leaves out.
+
+``--order verl,trellis`` runs trellis's side as trl_peer.py does (``flow_steps.py --backend vllm
+--resident-trainer --early-launch-only --flow-only``) after verl, in the same call, each in its own
+process; ``--rounds`` alternates them.
+
+    python bench/gpu/verl_peer.py OUT_DIR [--steps 10] [--rounds 1] [--order verl,trellis]
+        [--vllm-memory 0.3] [--verl-timeout 420] [--no-remove-padding] [--no-grad-ckpt] [--keep-eos]
+        [--set KEY=VALUE ...]
+    python bench/gpu/verl_peer.py OUT_DIR --dry-run   # CPU: data, reward file, overrides, composed config
+
+On the H200 machine, once ../shared/gpu's vllm-1 and rayprefect-1 chunks have been sent (earlier calls on
+the same warm machine), in a call that carries .gpu/tools, .gpu/vllm-2 and .whl-verl
+(bench/gpu/verl_wheels.sh makes it):
+
+    source .gpu/tools/unpack.sh; test -f /tmp/vllm-site/.done -a -f /tmp/rayprefect.done || exit 3;
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+    .whl-verl/*.whl || exit 4; export PYTHONPATH=$PWD:/tmp/site; python3 bench/gpu/verl_peer.py $OUT
+    > $OUT/verl_peer.out 2>&1; echo rc=$?; tail -c 6000 $OUT/verl_peer.out; tail -c 4000 $OUT/verl_1.log
+
+verl's processes get vLLM's site (``$TRELLIS_VLLM_SITE``, which unpack.sh exports) on their PYTHONPATH
+from this script: its Ray cluster is started by verl's driver (``address=local``), so every Ray worker
+and vLLM engine process inherits the driver's environment.
+
+writes OUT_DIR/h200_verl_peer.json (the command verl ran with is in it), verl's log (verl_<round>.log),
+its per-step metrics (verl_<round>.jsonl), the config its Hydra run saved (verl_<round>_config.yaml) and
+verl_runs_so_far.json after each contestant (what a call cut short still returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
+sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
+sys.path.insert(0, str(HERE))
+from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
+from run_facts import files_digest, weights_digest  # noqa: E402
+from trl_peer import GPU, TOKENS_COUNTED, WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
+
+CONTESTANTS = ("verl", "trellis", "trellis-compiled")
+REWARD_FILE = HERE / "verl_reward.py"
+DIFFER_BY_DESIGN = {
+    "compiled": "each side's default (verl compiles its log-prob/entropy helpers, not the model)",
+    "tokens counted from": "each side's own records",
+    "activation checkpointing": "each side's default (verl: on; trellis: off)",
+}
+FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f"}
+
+
+def verl_data(model: Path, data: Path, max_prompt_length: int) -> tuple[Path, Path]:
+    """trl_peer.py's prompts in verl's RL dataset format: ``prompt`` as chat messages, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info.index``; the validation file (verl builds its loader even
+    with validation off) is the first 32 rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    rows = pq.read_table(data).to_pylist()
+    records = [{"data_source": r["data_source"], "prompt": [{"role": "user", "content": r["prompt"]}], "ability": "reverse",
+                "reward_model": {"style": "rule", "ground_truth": r["label"]}, "extra_info": {"index": i, "split": "train"}}
+               for i, r in enumerate(rows)]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    longest = max(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+                  for r in records)
+    if longest > max_prompt_length:
+        raise SystemExit(f"--max-prompt-length {max_prompt_length}: the longest prompt has {longest} tokens")
+    train, val = WORK / "verl_train.parquet", WORK / "verl_val.parquet"
+    pq.write_table(pa.Table.from_pylist(records), train)
+    pq.write_table(pa.Table.from_pylist(records[:32]), val)
+    return train, val
+
+
+def overrides(args: argparse.Namespace, model: Path, train: Path, val: Path, round_: int) -> list[str]:
+    """verl's Hydra overrides for the shared workload; every key exists in verl 0.9.1's ppo_trainer config
+    (``+`` adds the two that are empty there)."""
+    step = GPU
+    micro = step["prompts"] * step["group"] // step["accumulation"]  # 32, TRL's per-device batch
+    o = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"data.train_batch_size={step['prompts']}",
+        f"data.max_prompt_length={args.max_prompt_length}",
+        f"data.max_response_length={step['new_tokens']}",
+        f"actor_rollout_ref.model.path={model}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"actor_rollout_ref.model.use_remove_padding={not args.no_remove_padding}",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={not args.no_grad_ckpt}",
+        f"actor_rollout_ref.actor.optim.lr={step['lr']}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={step['prompts']}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.kl_loss_coef=0.0",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={step['group']}",
+        f"actor_rollout_ref.rollout.temperature={step['temperature']}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.ignore_eos={not args.keep_eos}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
+        f"reward.custom_reward_function.path={REWARD_FILE}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=trellis_bench",
+        f"trainer.experiment_name=verl_peer_{round_}",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={WORK / 'verl_checkpoints'}",
+        f"trainer.total_training_steps={args.steps}",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        "+ray_kwargs.ray_init.address=local",  # a cluster of its own, inheriting this environment, never one left running
+        f"hydra.run.dir={WORK / f'verl_hydra_{round_}'}",
+    ]
+    return o + list(args.set)
+
+
+def verl_env(args: argparse.Namespace, metrics: Path) -> dict[str, str]:
+    """The environment of verl's driver; its local Ray cluster, and so every worker, the vLLM server and
+    its engine processes, inherit it (ray.init starts the cluster from this process)."""
+    env = dict(os.environ)
+    site = os.environ.get("TRELLIS_VLLM_SITE")
+    paths = [str(REPO), *([site] if site else []), env.get("PYTHONPATH", "")]
+    env.update({
+        "PYTHONPATH": ":".join(p for p in paths if p),
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),  # flashinfer is not carried
+        "OMP_NUM_THREADS": str(args.torch_threads),  # Ray keeps a set value: trl_peer's torch threads
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, val: Path) -> dict:
+    metrics, log = args.out / f"verl_{round_}.jsonl", args.out / f"verl_{round_}.log"
+    metrics.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, train, val, round_)]
+    started, error = time.perf_counter(), None
+    with PeakGpuMemory() as memory, LineClock(metrics) as clock, open(log, "w") as handle:
+        child = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=verl_env(args, metrics),
+                                 cwd=str(WORK), start_new_session=True)
+        try:
+            rc = child.wait(timeout=args.verl_timeout)
+            if rc != 0:
+                error = f"verl exited with {rc}: see {log.name}"
+        except subprocess.TimeoutExpired:
+            error = f"verl ran past --verl-timeout {args.verl_timeout} s: see {log.name}"
+        finally:
+            end_session(child)
+    wall = time.perf_counter() - started
+    hydra_config = WORK / f"verl_hydra_{round_}" / ".hydra" / "config.yaml"
+    if hydra_config.exists():
+        (args.out / f"verl_{round_}_config.yaml").write_text(hydra_config.read_text())
+    steps = read_steps(metrics, log)
+    peak_gib = memory.peak_mib / 1024 if memory.peak_mib is not None else None
+    measured = [s for s in steps if s["step"] > WARMUP_STEPS]
+    if len(measured) < 2:
+        return {"error": error or f"only {len(steps)} steps logged: see {log.name}", "steps_logged": len(steps), "wall_s": wall,
+                "steps": steps, "command": command}
+    wall_steps = [s["timing_s/step"] for s in measured]
+    tokens = [s["response_length/mean"] * s["samples"] for s in measured]
+    samples = sum(s["samples"] for s in measured)
+    result = {"step_s": statistics.median(wall_steps), "steps_s": [s["timing_s/step"] for s in steps],
+              "trained_response_tokens": sum(tokens), "trained_response_tokens_per_s": sum(tokens) / sum(wall_steps),
+              "response_len_mean": sum(tokens) / samples, "peak_gpu_gib": peak_gib, "wall_s": wall,
+              "phases_s": phase_medians(measured), "steps": steps, "command": command,
+              # wall time between the metrics lines of consecutive steps, the measured ones: a check on timing_s/step
+              "wall_between_lines_s": [b - a for a, b in zip(clock.times, clock.times[1:])][WARMUP_STEPS - 1:],
+              "settings": {"warm-up steps": WARMUP_STEPS, "measured steps": len(measured)}}
+    try:  # the figures stand even if the saved config cannot be read
+        result["settings"] = {**verl_settings(args, hydra_config, model, train), **result["settings"]}
+        result["verl_defaults_kept"] = verl_defaults_kept(hydra_config)
+    except Exception as failure:
+        result["settings_error"] = f"{type(failure).__name__}: {failure}"[:500]
+    if error:
+        result["note"] = error  # the measured steps still count; the log says what broke after them
+    return result
+
+
+def verl_defaults_kept(hydra_config: Path) -> dict:
+    """verl-only facts that shape its step, outside the settings table the sides share."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(hydra_config)
+    return {
+        "vLLM sleeps after each rollout (rollout.free_cache_engine)": saved.actor_rollout_ref.rollout.free_cache_engine,
+        "packed sequences (model.use_remove_padding)": saved.actor_rollout_ref.model.use_remove_padding,
+        "dynamic batch size (actor.use_dynamic_bsz)": saved.actor_rollout_ref.actor.use_dynamic_bsz,
+        "attention": saved.actor_rollout_ref.model.override_config.get("attn_implementation", "flash_attention_2"),
+        "samples run to max new tokens (rollout.ignore_eos)": saved.actor_rollout_ref.rollout.ignore_eos,
+        "trainer (trainer.use_v1, v1.trainer_mode)": f"{saved.trainer.use_v1}, {saved.trainer.v1.trainer_mode}",
+    }
+
+
+def end_session(child: subprocess.Popen) -> None:
+    """End verl's driver and whatever it left in its session (Ray's processes, vLLM's engine), then wait
+    for the GPU to empty."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.perf_counter() + 15
+        try:
+            os.killpg(child.pid, sig)
+            while time.perf_counter() < deadline:
+                os.killpg(child.pid, 0)  # raises once no process of the session is left
+                time.sleep(0.2)
+        except ProcessLookupError:
+            break
+    if child.poll() is None:
+        child.wait()
+    wait_for_free_gpu()
+
+
+class LineClock:
+    """When each line of verl's metrics file appeared (verl's file logger writes one unbuffered line per
+    step, after the step's metrics): the wall time between two lines is everything a step took, logging
+    included, a check on verl's own ``timing_s/step``."""
+
+    def __init__(self, path: Path):
+        self.path, self.times = path, []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> LineClock:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.05):
+            try:
+                lines = self.path.read_bytes().count(b"\n")
+            except FileNotFoundError:
+                continue
+            self.times.extend([time.perf_counter()] * (lines - len(self.times)))
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def wait_for_free_gpu(limit_s: float = 60.0) -> None:
+    """The next contestant starts on a free GPU: wait until nvidia-smi shows (almost) nothing in use."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if not out or int(out[0]) < 2048:
+            return
+        time.sleep(1)
+
+
+CONSOLE_STEP = re.compile(r"step:(\d+) - (.*)")
+NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf")
+
+
+def read_steps(metrics: Path, log: Path) -> list[dict]:
+    """Each logged step's figures, from verl's file logger (one JSON line per step); from its console
+    lines (``step:N - key:value - ...``) where the JSONL is missing."""
+    raw: dict[int, dict] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                raw[int(record["step"])] = record["data"]
+    elif log.exists():
+        for match in CONSOLE_STEP.finditer(log.read_text(errors="replace")):
+            values = {}
+            for part in match.group(2).split(" - "):
+                key, _, value = part.rpartition(":")
+                number = NUMBER.fullmatch(NUMPY_SCALAR.sub(r"\1", value.strip()))  # numpy 2 prints np.float64(1.5)
+                if key and number:
+                    values[key.strip()] = float(number.group(0))
+            raw[int(match.group(1))] = values
+    steps = []
+    for number, data in sorted(raw.items()):
+        if "timing_s/step" not in data or "response_length/mean" not in data:
+            continue
+        per_sample = data.get("prompt_length/mean", 0.0) + data["response_length/mean"]
+        samples = round(data["perf/total_num_tokens"] / per_sample) if data.get("perf/total_num_tokens") and per_sample else None
+        expected = GPU["prompts"] * GPU["group"]
+        steps.append({"step": number, "timing_s/step": data["timing_s/step"], "response_length/mean": data["response_length/mean"],
+                      "samples": samples if samples else expected, "samples_from_total_tokens": samples,
+                      **{k: v for k, v in data.items() if k.startswith("timing_s/") or k in PICKED}})
+    return steps
+
+
+PICKED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/max", "response_length/clip_ratio",
+          "perf/total_num_tokens", "perf/throughput", "perf/max_memory_allocated_gb", "prompt_length/mean")
+
+
+def phase_medians(steps: list[dict]) -> dict[str, float]:
+    keys = sorted({k for s in steps for k in s if k.startswith("timing_s/")})
+    return {k.removeprefix("timing_s/"): statistics.median(s[k] for s in steps if k in s) for k in keys}
+
+
+def verl_settings(args: argparse.Namespace, hydra_config: Path, model: Path, train: Path) -> dict:
+    """The settings verl ran with, read back from the config its Hydra run saved (trl_peer.py's rows)."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.load(hydra_config)
+    arr, actor, rollout = c.actor_rollout_ref, c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
+    fsdp = actor.fsdp_config
+    kl = actor.kl_loss_coef if actor.use_kl_loss else 0.0
+    if c.algorithm.use_kl_in_reward:
+        kl = c.algorithm.kl_ctrl.kl_coef
+    return {
+        "model (weights digest)": f"{Path(arr.model.path).name} ({weights_digest(Path(arr.model.path))})",
+        "prompts file digest": files_digest([WORK / "train.parquet"]),  # verl_train.parquet is written from it, row for row
+        "prompts x samples per step": f"{c.data.train_batch_size} x {rollout.n}",
+        "max new tokens": c.data.max_response_length,
+        "rollout engine": rollout.name,
+        "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "temperature": rollout.temperature,
+        "learning rate": actor.optim.lr,
+        "KL coefficient": float(kl),
+        "optimizer steps per batch": actor.ppo_epochs * (c.data.train_batch_size // actor.ppo_mini_batch_size),
+        "trainer resident (no offload)": not (fsdp.param_offload or fsdp.optimizer_offload),
+        "torch threads (CPU ops)": args.torch_threads,
+        "activation checkpointing": arr.model.enable_gradient_checkpointing,
+        "weights / compute dtype": f"{'float32' if fsdp.model_dtype in ('fp32', 'float32') else fsdp.model_dtype} / "
+                                   f"{'bfloat16' if fsdp.dtype in ('bf16', 'bfloat16') else fsdp.dtype}",
+        "compiled": actor.use_torch_compile,
+        "tokens counted": TOKENS_COUNTED,
+        "tokens counted from": "step metrics: response_length/mean x samples",
+    }
+
+
+def trellis_side(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
+    from trl_peer import trellis_contestant
+
+    args.smoke = False
+    return trellis_contestant(args, round_, compiled=compiled)
+
+
+def dry_run(args: argparse.Namespace, model: Path, train: Path, val: Path) -> None:
+    """On a CPU: compose verl's config with the overrides (every key must exist), check it as verl's
+    main does, load the dataset with verl's own class and score a response with the reward file."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    plain = [o for o in overrides(args, model, train, val, 1) if not o.startswith("hydra.")]
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=plain)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    OmegaConf.resolve(config)
+    (args.out / "verl_dry_run_config.yaml").write_text(OmegaConf.to_yaml(config))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dataset = RLHFDataset(data_files=[str(train)], tokenizer=tokenizer, config=config.data)
+    row = dataset[0]
+    sys.path.insert(0, str(REWARD_FILE.parent))
+    from verl_reward import compute_score
+
+    answer = row["reward_model"]["ground_truth"]
+    print(f"dataset: {len(dataset)} rows; row 0: {row['raw_prompt']} -> {answer!r}, data_source {row['data_source']}")
+    print(f"reward: right {compute_score(row['data_source'], f' {answer}', answer)}, wrong {compute_score(row['data_source'], 'X', answer)}")
+    print(f"need reference policy: {need_reference_policy(config)}, critic: {need_critic(config)}")
+    print("overrides:\n  " + "\n  ".join(overrides(args, model, train, val, 1)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 8, help=f"optimizer steps per contestant, the first {WARMUP_STEPS} not measured")
+    parser.add_argument("--rounds", type=int, default=1, help="of every contestant, alternated")
+    parser.add_argument("--order", default="verl", help=f"contestants in their order within a round, from {', '.join(CONTESTANTS)}")
+    parser.add_argument("--vllm-memory", type=float, default=0.3)
+    parser.add_argument("--torch-threads", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--max-prompt-length", type=int, default=64)
+    parser.add_argument("--verl-timeout", type=float, default=420.0, help="seconds verl may run before it is stopped")
+    parser.add_argument("--no-remove-padding", action="store_true", help="verl's padded path instead of its default packing")
+    parser.add_argument("--no-grad-ckpt", action="store_true", help="activation checkpointing off (verl's default is on)")
+    parser.add_argument("--keep-eos", action="store_true", help="verl stops at EOS (its default); else every sample runs to 256 tokens")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more Hydra override for verl")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: build data, compose and check verl's config; run nothing")
+    args = parser.parse_args()
+    if args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--steps: {WARMUP_STEPS} warm-up steps and at least 2 measured ones")
+    names = list(dict.fromkeys(args.order.split(",")))
+    if set(names) - set(CONTESTANTS):
+        parser.error(f"--order: unknown contestant(s) {sorted(set(names) - set(CONTESTANTS))}")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    args.smoke = args.dry_run  # trl_peer's helpers: the tiny model on a CPU
+    model, data = prepare_model_and_data(args)
+    train, val = verl_data(model, data, args.max_prompt_length)
+    if args.dry_run:
+        dry_run(args, model, train, val)
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    order = alternated(names, args.rounds)
+    print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
+    for round_, name in order:
+        try:
+            if name == "verl":
+                runs[name].append(run_verl(args, round_, model, train, val))
+            else:
+                runs[name].append(trellis_side(args, round_, compiled=name == "trellis-compiled"))
+        except Exception as error:  # the others still run; the log says what broke
+            runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
+        r = runs[name][-1]
+        print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
+              f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
+              f"trained response tokens {r['trained_response_tokens']:,.0f}  response mean {r['response_len_mean']:.1f}"), flush=True)
+        (args.out / "verl_runs_so_far.json").write_text(json.dumps(runs, indent=1))
+    summary = report(args, runs, order)
+    (args.out / "h200_verl_peer.json").write_text(json.dumps(summary, indent=1))
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]]) -> dict:
+    ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
+    columns = {f"{name}[{i}]": r["settings"] for name, rs in ok.items() for i, r in enumerate(rs, 1)}
+    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN) if columns else ("(no run finished)", [])
+    print("\nsettings, as each side's own records say:\n" + table)
+    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in FIGURES} for name, rs in ok.items() if rs}
+    if figures:
+        print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, FIGURES))
+    summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
+               "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
+               "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
+    for name in ("trellis", "trellis-compiled"):
+        if ok.get("verl") and ok.get(name):
+            pairs = list(zip(ok["verl"], ok[name]))
+            step = spread(v["step_s"] / s["step_s"] for v, s in pairs)
+            tgs = spread(s["trained_response_tokens_per_s"] / v["trained_response_tokens_per_s"] for v, s in pairs)
+            summary[f"{name}_vs_verl"] = {"step_speedup": step, "trained_response_tgs": tgs}
+            print(f"{name} vs verl, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
+                  f"trained response tokens/s {tgs['median']:.2f}x ({tgs['min']:.2f}x .. {tgs['max']:.2f}x), n={step['n']}")
+    if unequal:
+        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the sides.")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
