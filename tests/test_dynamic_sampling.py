@@ -9,12 +9,12 @@ import torch
 
 from engine.algo.advantages import opo
 from engine.algo.reward_shaping import overlong_penalty
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import AdvantageConfig
 from engine.data.prepare import prepare_train_data
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.dynamic_sampling import fill_batch
-from engine.rollout.produce import ProduceResult
+from engine.rollout.production.dynamic_sampling import fill_batch
+from engine.rollout.production.produce import ProduceResult
 from engine.run.local import LocalRun
 from helpers import lake_rows, tiny_config
 

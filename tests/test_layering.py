@@ -59,7 +59,7 @@ def test_ray_is_imported_only_by_the_cluster_package():
 
 
 def test_vllm_is_imported_only_by_its_backend():
-    outside = [path for path in sources(*LAYERS) if path != ROOT / "engine" / "rollout" / "vllm_backend.py"]
+    outside = [path for path in sources(*LAYERS) if path != ROOT / "engine" / "rollout" / "backends" / "vllm_backend.py"]
     assert offenders(outside, lambda name: root_of(name) == "vllm") == {}
 
 

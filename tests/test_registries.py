@@ -15,7 +15,7 @@ from engine.config import AdvantageConfig
 from engine.config.backends import ROLLOUT_BACKENDS, backend_traits, configurable_backends
 from engine.config.loading import ConfigError, load_config
 from engine.devices import rollout_device
-from engine.rollout.backends import BUILDERS
+from engine.rollout.backends.registry import BUILDERS
 
 
 def test_every_backend_a_config_can_name_has_its_traits_and_its_builder():

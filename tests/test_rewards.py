@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import RewardConfig
-from engine.rollout.rewards import RewardRunner, exact_match, math_answer
+from engine.rollout.rewards.runner import RewardRunner, exact_match, math_answer
 
 
 # Reward functions a user might write; referenced by `module:function` like real ones.

@@ -20,12 +20,12 @@ from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch
 from engine.devices import resolve_device, rollout_device, set_up_process
 from engine.faults import fault_point
-from engine.rollout.backends import build_rollout_backend
-from engine.rollout.base import Generation, SamplingParams
-from engine.rollout.controller import Controller
-from engine.rollout.pool import RolloutPool
-from engine.rollout.produce import ProduceResult, produce_summary
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.backends.registry import build_rollout_backend
+from engine.rollout.backends.base import Generation, SamplingParams
+from engine.rollout.production.controller import Controller
+from engine.rollout.backends.pool import RolloutPool
+from engine.rollout.production.produce import ProduceResult, produce_summary
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.run.identity import WorkerFingerprint
 from engine.secrets import Credentials
 from engine.storage.trackers import Trackers

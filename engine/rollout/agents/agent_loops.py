@@ -17,10 +17,10 @@ from typing import Callable, Iterator, Protocol
 
 from engine.config import AgentConfig
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.base import Generation, RolloutBackend, SamplingParams
-from engine.rollout.produce import budget_of, generate, generate_streaming
-from engine.rollout.tool_calls import ToolCall, parse_tool_calls
-from engine.rollout.tools import ToolResult, ToolRunner
+from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from engine.rollout.production.produce import budget_of, generate, generate_streaming
+from engine.rollout.agents.tool_calls import ToolCall, parse_tool_calls
+from engine.rollout.agents.tools import ToolResult, ToolRunner
 
 
 class AgentLoop(Protocol):
@@ -167,7 +167,7 @@ def build_agent_loop(config: AgentConfig, tokenizer, max_prompt_tokens: int | No
     if config.loop == "single_turn":
         return SingleTurnLoop(decode)
     if config.loop == "openai":
-        from engine.rollout.gateway_loop import GatewayLoop  # it builds on this module
+        from engine.rollout.agents.gateway_loop import GatewayLoop  # it builds on this module
 
         return GatewayLoop(config, tokenizer, max_prompt_tokens)
     return ToolLoop(config, lambda text: tokenizer.encode(text, add_special_tokens=False), decode)

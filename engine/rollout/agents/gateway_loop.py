@@ -28,10 +28,10 @@ from typing import Any, Iterator
 
 from engine.config import AgentConfig
 from engine.data.samples import RolloutSample
-from engine.rollout.base import RolloutBackend, SamplingParams
-from engine.rollout.chat_session import ChatSession
-from engine.rollout.gateway import Gateway
-from engine.rollout.produce import budget_of
+from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from engine.rollout.agents.chat_session import ChatSession
+from engine.rollout.agents.gateway import Gateway
+from engine.rollout.production.produce import budget_of
 from engine.user_code import load_function
 
 AGENT_ERROR_MAX_CHARS = 2000

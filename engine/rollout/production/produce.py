@@ -7,18 +7,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_metrics import agent_summary
-from engine.rollout.base import Generation, RolloutBackend, SamplingParams
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.agents.agent_metrics import agent_summary
+from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from engine.rollout.rewards.runner import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
 from engine.storage.ledger import LedgerEntries
 
 if TYPE_CHECKING:  # agent loops build on this module's generate()
-    from engine.rollout.agent_loops import AgentLoop
+    from engine.rollout.agents.agent_loops import AgentLoop
 
 
 @dataclass

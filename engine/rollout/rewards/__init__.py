@@ -1,0 +1,8 @@
+"""Scoring samples: reward functions run in worker processes (``runner``) and reward shaping.
+
+The built-in reward functions are named in configs as ``engine.rollout.rewards:exact_match`` and
+``engine.rollout.rewards:math_answer``, so they are importable from here."""
+
+from engine.rollout.rewards.runner import exact_match, math_answer
+
+__all__ = ["exact_match", "math_answer"]
