@@ -31,7 +31,7 @@ from engine.data.samples import RolloutSample
 from engine.rollout.backends.base import RolloutBackend, SamplingParams
 from engine.rollout.agents.chat_session import ChatSession
 from engine.rollout.agents.gateway import Gateway
-from engine.rollout.production.produce import budget_of
+from engine.rollout.agents.generate import budget_of
 from engine.user_code import load_function
 
 AGENT_ERROR_MAX_CHARS = 2000

@@ -27,7 +27,7 @@ from engine.config import TrellisConfig
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agents.agent_loops import AgentLoop
+from engine.rollout.agents.base import AgentLoop
 from engine.rollout.backends.base import RolloutBackend
 from engine.rollout.production.dynamic_sampling import filter_flat_groups
 from engine.rollout.production.prompt_ledger import PromptLedger
