@@ -110,7 +110,7 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     reward training used (each row's ``reward``, and the step's ``response/rewards/mean`` over the kept
     groups) must be the task's exact-match score plus DAPO's penalty computed here from the config:
     -0.5 x min(max(len - (12 - 4), 0), 4) / 4. Tried: deleting ``sample.reward += penalty`` in
-    ``engine/rollout/produce.py::score`` (the payload still says the penalty) fails it."""
+    ``engine/rollout/production/produce.py::score`` (the payload still says the penalty) fails it."""
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, total_train_steps=1, train_batch_size=4, prompt_repeat_k=4,
         enable_evaluate=False, checkpoint_interval=-1, dynamic_sampling={"enable": True, "max_rounds": 3},

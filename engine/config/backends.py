@@ -1,6 +1,6 @@
 """What each rollout backend a config can name needs from the machine: one table, read wherever a
 decision depends on the backend (the device it runs on, the GPUs a worker asks Ray for, the rules of
-a colocated run), so that adding a backend adds a row here and a builder in ``engine.rollout.backends``."""
+a colocated run), so that adding a backend adds a row here and a builder in ``engine.rollout.backends.registry``."""
 
 from __future__ import annotations
 

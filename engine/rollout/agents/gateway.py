@@ -2,7 +2,7 @@
 ``openai`` client: ``POST {base_url}/chat/completions`` with the session's key as the API key.
 
 Each call is served from the policy being trained, and its exact token ids and logprobs go into the
-session's sample (``engine.rollout.chat_session``). Calls from all live sessions are gathered for
+session's sample (``engine.rollout.agents.chat_session``). Calls from all live sessions are gathered for
 ``agent.batch_window_ms`` and generated in one backend call. The server listens on 127.0.0.1 only, on
 a free port; a key is a random token valid for one session, so a call cannot land in another's.
 

@@ -5,7 +5,7 @@ samples. For each sample the agent function named by ``agent.entrypoint`` is cal
 
 where ``task`` holds the prompt's ``messages``, ``label``, ``data_source``, ``task_name`` and the row's
 other columns; the agent builds ``openai.OpenAI(base_url=base_url, api_key=api_key)`` and calls it as it
-would any server. Every call lands in the session's sample (``engine.rollout.gateway``). The agent may
+would any server. Every call lands in the session's sample (``engine.rollout.agents.gateway``). The agent may
 return its own reward (a number), which then stands for the sample's reward; ``None`` leaves scoring
 to ``reward.function``.
 

@@ -7,7 +7,7 @@ kept, so a rollout launched ahead of its step (``start_rollout``) is collected b
 ``produce_batch`` from whichever process asks.
 
 With ``trainer: disaggregated`` it also owns the background producer and its replay buffer
-(``engine.rollout.producer``); produced groups land in the lake as they are scored.
+(``engine.rollout.production.producer``); produced groups land in the lake as they are scored.
 """
 
 from __future__ import annotations
