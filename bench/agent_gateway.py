@@ -22,9 +22,9 @@ from transformers import AutoTokenizer
 
 from engine.config import AgentConfig
 from engine.data.samples import RolloutSample
-from engine.rollout.agent_loops import build_agent_loop
-from engine.rollout.base import SamplingParams
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.agents.agent_loops import build_agent_loop
+from engine.rollout.backends.base import SamplingParams
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.tiny import lookup_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

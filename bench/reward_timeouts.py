@@ -19,7 +19,7 @@ import typer
 from pebble import ProcessPool
 
 from engine.config import RewardConfig
-from engine.rollout.rewards import RewardRunner, call_reward
+from engine.rollout.rewards.runner import RewardRunner, call_reward
 
 
 def hangs_on_one_in_25(sample):

@@ -13,10 +13,10 @@ from engine.algo.losses import token_logprobs
 from engine.config import AgentConfig
 from engine.data.prepare import IGNORE, build_sequence
 from engine.data.samples import RolloutSample
-from engine.rollout.agent_loops import ToolLoop, build_agent_loop
-from engine.rollout.base import SamplingParams
-from engine.rollout.tool_calls import parse_tool_calls
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.agents.agent_loops import ToolLoop, build_agent_loop
+from engine.rollout.backends.base import SamplingParams
+from engine.rollout.agents.tool_calls import parse_tool_calls
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.user_code import UserCodeError
 
 CALL = '<tool_call>{"name":"echo","arguments":{"text":"%s"}}</tool_call><|im_end|>'

@@ -9,12 +9,12 @@ import torch
 
 from engine.algo.advantages import opo
 from engine.algo.reward_shaping import overlong_penalty
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import AdvantageConfig
 from engine.data.prepare import prepare_train_data
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.dynamic_sampling import fill_batch
-from engine.rollout.produce import ProduceResult
+from engine.rollout.production.dynamic_sampling import fill_batch
+from engine.rollout.production.produce import ProduceResult
 from engine.run.local import LocalRun
 from helpers import lake_rows, tiny_config
 
@@ -110,7 +110,7 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     reward training used (each row's ``reward``, and the step's ``response/rewards/mean`` over the kept
     groups) must be the task's exact-match score plus DAPO's penalty computed here from the config:
     -0.5 x min(max(len - (12 - 4), 0), 4) / 4. Tried: deleting ``sample.reward += penalty`` in
-    ``engine/rollout/produce.py::score`` (the payload still says the penalty) fails it."""
+    ``engine/rollout/production/produce.py::score`` (the payload still says the penalty) fails it."""
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, total_train_steps=1, train_batch_size=4, prompt_repeat_k=4,
         enable_evaluate=False, checkpoint_interval=-1, dynamic_sampling={"enable": True, "max_rounds": 3},

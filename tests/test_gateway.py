@@ -22,11 +22,11 @@ from engine.config import AgentConfig
 from engine.config.loading import load_config
 from engine.data.prepare import IGNORE, build_sequence
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_loops import build_agent_loop
-from engine.rollout.base import SamplingParams
-from engine.rollout.chat_session import ChatSession
-from engine.rollout.gateway import Gateway
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.agents.agent_loops import build_agent_loop
+from engine.rollout.backends.base import SamplingParams
+from engine.rollout.agents.chat_session import ChatSession
+from engine.rollout.agents.gateway import Gateway
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.tiny import lookup_task
 from flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics

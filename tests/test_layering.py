@@ -1,7 +1,8 @@
 """The house rules a reader relies on, checked by parsing imports: deployments -> flows -> tasks ->
 engine; Ray only in engine/cluster; vLLM only in its backend; no transformers in engine/algo;
 Prefect only in flows/, tasks/ and deployments/; flows take from the engine only its configs, plans
-and result types (the step's order included: it is the engine's, ``engine.run.step``)."""
+and result types (the step's order included: it is the engine's, ``engine.run.step``); engine/rollout's
+concerns import down and its modules in no circle; no code compares a rollout backend's name."""
 
 import ast
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_ray_is_imported_only_by_the_cluster_package():
 
 
 def test_vllm_is_imported_only_by_its_backend():
-    outside = [path for path in sources(*LAYERS) if path != ROOT / "engine" / "rollout" / "vllm_backend.py"]
+    outside = [path for path in sources(*LAYERS) if path != ROOT / "engine" / "rollout" / "backends" / "vllm_backend.py"]
     assert offenders(outside, lambda name: root_of(name) == "vllm") == {}
 
 
@@ -102,3 +103,71 @@ def test_the_engine_packages_depend_on_each_other_without_cycles():
     for start in sorted(graph):
         visit(start, [])
     assert cycles == []
+
+
+ROLLOUT_ORDER = {"bounded_calls": 0, "backends": 1, "agents": 2, "rewards": 2, "production": 3}
+
+
+def rollout_module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def rollout_imports(path: Path) -> set[str]:
+    """The engine.rollout modules ``path`` imports anywhere: at module level, under TYPE_CHECKING or
+    deferred inside a function (``from package import module`` counts the module)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name.startswith("engine.rollout.")}
+
+
+def test_the_rollout_subpackages_import_down_and_their_modules_in_no_circle():
+    """backends, then agents and rewards, then production: each concern can be read knowing only those
+    below it, and no import, however deferred, closes a circle (one did: produce <-> agent_loops)."""
+    paths = sources("engine/rollout")
+    modules = {rollout_module(path) for path in paths}
+    graph = {rollout_module(path): rollout_imports(path) & modules - {rollout_module(path)} for path in paths}
+    concern = {module: module.split(".")[2] for module in modules if module != "engine.rollout"}
+    assert set(concern.values()) == set(ROLLOUT_ORDER)
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    if a in concern and concern[a] != concern[b] and ROLLOUT_ORDER[concern[a]] <= ROLLOUT_ORDER[concern[b]])
+    assert upward == []
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycles.append(trail[trail.index(node):] + [node])
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+
+    for start in sorted(graph):
+        visit(start, [])
+    assert cycles == []
+
+
+def test_no_code_asks_for_a_rollout_backend_by_its_name():
+    """What a backend needs or can do is a field of its registry entry (engine.config.backends), never a
+    comparison such as ``config.rollout.backend == "vllm"``, so adding a backend adds a row."""
+    from engine.config.backends import configurable_backends
+
+    names = configurable_backends()
+
+    def names_a_backend(node: ast.expr) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_a_backend(element) for element in node.elts)
+        return isinstance(node, ast.Constant) and node.value in names
+
+    found = []
+    for path in sources(*LAYERS):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(names_a_backend(side) for side in [node.left, *node.comparators]):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.MatchValue) and names_a_backend(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 from engine.cluster.workers import RunWorkers
 from engine.data.prepare import prepare_train_data
 from engine.data.prompts import load_prompts
-from engine.rollout.base import SamplingParams
-from engine.rollout.pool import RolloutPool, spread_by_load
-from engine.rollout.produce import rollout_groups, sampling_params
-from engine.rollout.rewards import RewardRunner
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.backends.base import SamplingParams
+from engine.rollout.backends.pool import RolloutPool, spread_by_load
+from engine.rollout.production.produce import rollout_groups, sampling_params
+from engine.rollout.rewards.runner import RewardRunner
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.storage.checkpoints import SaveStore
 from engine.train.packing import split_by_tokens
 from engine.train.sharded_checkpoint import is_sharded

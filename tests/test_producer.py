@@ -11,11 +11,11 @@ import pytest
 from engine.config.loading import load_config
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
-from engine.rollout.agent_loops import SingleTurnLoop
-from engine.rollout.base import Generation, in_order
-from engine.rollout.producer import Producer, ProducerFailure
-from engine.rollout.prompt_ledger import PromptLedger
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.agents.agent_loops import SingleTurnLoop
+from engine.rollout.backends.base import Generation, in_order
+from engine.rollout.production.producer import Producer, ProducerFailure
+from engine.rollout.production.prompt_ledger import PromptLedger
+from engine.rollout.rewards.runner import RewardRunner
 from engine.storage.ledger import SINGLE_TASK
 
 BATCH = 2

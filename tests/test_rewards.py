@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import RewardConfig
-from engine.rollout.rewards import RewardRunner, exact_match, math_answer
+from engine.rollout.rewards import exact_match, math_answer
+from engine.rollout.rewards.runner import RewardRunner
 
 
 # Reward functions a user might write; referenced by `module:function` like real ones.

@@ -93,7 +93,7 @@ def test_tracebacks_and_reward_errors_are_scrubbed_too():
     import io
 
     from engine.config import RewardConfig
-    from engine.rollout.rewards import RewardRunner
+    from engine.rollout.rewards.runner import RewardRunner
 
     secret = "AKIA-LEAKY-0123456789"
     install_log_redaction({"aws_secret_access_key": secret})

@@ -13,10 +13,10 @@ from engine.train.logprob_head import batch_logprobs, output_head
 from engine.algo.losses import token_logprobs
 from engine.train.packing import to_packed, to_padded
 from engine.data.prepare import IGNORE, prepare_train_data
-from engine.rollout.base import SamplingParams
-from engine.rollout.produce import rollout_groups, sampling_params
-from engine.rollout.rewards import RewardRunner
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.backends.base import SamplingParams
+from engine.rollout.production.produce import rollout_groups, sampling_params
+from engine.rollout.rewards.runner import RewardRunner
+from engine.rollout.backends.transformers_backend import TransformersRollout
 from engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
 from engine.train.varlen_attention import use_varlen_attention
 from teacher_forcing import teacher_forced_gaps

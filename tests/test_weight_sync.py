@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 
 from engine.cluster import weight_sync
 from engine.cluster.workers import RunWorkers
-from engine.rollout.base import SamplingParams
+from engine.rollout.backends.base import SamplingParams
 from helpers import tiny_config
 
 

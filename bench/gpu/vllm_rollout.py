@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_steps import random_qwen2_05b  # noqa: E402
 
-from engine.rollout.base import SamplingParams  # noqa: E402
-from engine.rollout.transformers_backend import TransformersRollout  # noqa: E402
-from engine.rollout.vllm_backend import VllmRollout  # noqa: E402
+from engine.rollout.backends.base import SamplingParams  # noqa: E402
+from engine.rollout.backends.transformers_backend import TransformersRollout  # noqa: E402
+from engine.rollout.backends.vllm_backend import VllmRollout  # noqa: E402
 from engine.tiny.model import build_tokenizer  # noqa: E402
 
 PROMPT, NEW = 128, 256

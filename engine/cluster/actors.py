@@ -17,15 +17,15 @@ import torch
 
 from engine.cluster.remote_rollout import RemoteRollout
 from engine.config import TrellisConfig
+from engine.config.backends import backend_traits
 from engine.data.prepare import PreparedBatch
 from engine.devices import resolve_device, rollout_device, set_up_process
 from engine.faults import fault_point
-from engine.rollout.backends import build_rollout_backend
-from engine.rollout.base import Generation, SamplingParams
-from engine.rollout.controller import Controller
-from engine.rollout.pool import RolloutPool
-from engine.rollout.produce import ProduceResult, produce_summary
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.backends.registry import build_rollout_backend
+from engine.rollout.backends.base import Generation, SamplingParams
+from engine.rollout.production.controller import Controller
+from engine.rollout.backends.pool import RolloutPool
+from engine.rollout.production.produce import ProduceResult, produce_summary
 from engine.run.identity import WorkerFingerprint
 from engine.secrets import Credentials
 from engine.storage.trackers import Trackers
@@ -183,6 +183,7 @@ class RolloutActor(BuiltFrom):
 
         super().__init__(config, fingerprint, credentials, "rollout")
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
+        self._backend_name = config.rollout.backend
         self._on_gpu = rollout_device(config).type == "cuda"
         self._weight_group: WeightGroup | None = None
         self._timeout_s = config.cluster.ray_get_timeout_s
@@ -234,9 +235,9 @@ class RolloutActor(BuiltFrom):
         return self.backend.policy_version
 
     def served_weights(self) -> dict[str, torch.Tensor]:
-        """The weights the transformers backend generates with; vLLM keeps its own (fused) layout."""
-        if not isinstance(self.backend, TransformersRollout):
-            raise NotImplementedError(f"{type(self.backend).__name__} does not export the weights it serves.")
+        """The weights the backend generates with, where it can hand them back (its registry entry says)."""
+        if not backend_traits(self._backend_name).exports_served_weights:
+            raise NotImplementedError(f"rollout.backend={self._backend_name} does not export the weights it serves.")
         return self.backend.served_weights()
 
     def offload(self) -> None:

@@ -1,6 +1,7 @@
-"""What each rollout backend a config can name needs from the machine: one table, read wherever a
-decision depends on the backend (the device it runs on, the GPUs a worker asks Ray for, the rules of
-a colocated run), so that adding a backend adds a row here and a builder in ``engine.rollout.backends``."""
+"""What each rollout backend a config can name needs and can do: one table, read wherever a decision
+depends on the backend (the device it runs on, the GPUs a worker asks Ray for, the rules of a colocated
+or a disaggregated run, what a rollout worker can hand back), so that adding a backend adds a row here
+and a builder in ``engine.rollout.backends.registry``, and no code asks for a backend by its name."""
 
 from __future__ import annotations
 
@@ -13,11 +14,17 @@ from engine.config.sections import RolloutConfig
 @dataclass(frozen=True)
 class RolloutBackendTraits:
     needs_gpu: bool  # runs only on an accelerator (vLLM); otherwise on the trainer's device
+    # Stops generation in flight from another thread, handing back what it has: the disaggregated
+    # producer pauses that way for each weight sync (and partial rollout continues what it got).
+    supports_abort: bool
+    # Hands back the weights it generates with, by their trainer names (tests compare them with the
+    # trainer's); vLLM keeps its own fused layout.
+    exports_served_weights: bool
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendTraits] = {
-    "transformers": RolloutBackendTraits(needs_gpu=False),
-    "vllm": RolloutBackendTraits(needs_gpu=True),
+    "transformers": RolloutBackendTraits(needs_gpu=False, supports_abort=True, exports_served_weights=True),
+    "vllm": RolloutBackendTraits(needs_gpu=True, supports_abort=True, exports_served_weights=False),
 }
 
 

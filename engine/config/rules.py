@@ -139,6 +139,11 @@ def trainer_problems(config: TrellisConfig) -> list[str]:
         return problems
     if config.debug_rollout or config.debug_train:
         problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
+    if not backend_traits(config.rollout.backend).supports_abort:
+        problems.append(
+            f"trainer: disaggregated pauses generation in flight for each weight sync, and rollout.backend="
+            f"{config.rollout.backend} cannot abort it: use trainer: colocated."
+        )
     for agent in config.agents:
         if agent.loop != "single_turn" and config.replay_buffer.enable_partial_rollout:
             problems.append(

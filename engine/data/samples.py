@@ -44,7 +44,7 @@ class RolloutSample:
     train_step: int = 0
     epoch: int = 0  # of the prompt sampler, when the prompt was drawn
     max_new_tokens: int | None = None  # the prompt's own cap on response tokens (None: the run's)
-    # A multi-turn session (engine.rollout.agent_loops): its turns as token spans of the response, its
+    # A multi-turn session (engine.rollout.agents): its turns as token spans of the response, its
     # tool calls, why it ended and its last assistant turn. None for a single response.
     agent: dict[str, Any] | None = None
 

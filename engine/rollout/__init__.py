@@ -1,1 +1,3 @@
-"""Rollout: backends (transformers, vLLM) behind one contract, producing and scoring batches, the controller."""
+"""Rollout, by concern, each below the next: ``backends`` (transformers, vLLM, a pool; one contract),
+``agents`` (how a sample's response is made), ``rewards`` (scoring), ``production`` (batches, the
+producer, the controller). ``bounded_calls`` runs user code for rewards and tools alike."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from engine.config import TrellisConfig
 from engine.devices import set_up_process
-from engine.rollout.backends import build_rollout_backend
-from engine.rollout.controller import Controller
+from engine.rollout.backends.registry import build_rollout_backend
+from engine.rollout.production.controller import Controller
 from engine.run.checkpoint_source import PolicySource, policy_weights, resolve_source
 from engine.storage.lineage import record_evaluation
 

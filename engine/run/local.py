@@ -14,9 +14,9 @@ from typing import Callable
 from engine.config import TrellisConfig
 from engine.data.prompts import SkipReport
 from engine.devices import resolve_device, rollout_device, set_up_process
-from engine.rollout.backends import build_rollout_backend
-from engine.rollout.controller import Controller
-from engine.rollout.produce import produce_summary
+from engine.rollout.backends.registry import build_rollout_backend
+from engine.rollout.production.controller import Controller
+from engine.rollout.production.produce import produce_summary
 from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
 from engine.run.plan import (
     RunPlan,

@@ -10,7 +10,7 @@ import fsspec
 
 from engine.config import DatasetConfig, TrellisConfig
 from engine.errors import SettingError
-from engine.rollout.rewards import resolve_function
+from engine.rollout.rewards.runner import resolve_function
 from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from engine.user_code import UserCodeError, load_attribute, load_function
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from engine.config import RewardConfig
 from engine.data.samples import Status
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.rewards.runner import RewardRunner
 from engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
 
 CORRECT_ABOVE = 0.5

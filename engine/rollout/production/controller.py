@@ -7,7 +7,7 @@ kept, so a rollout launched ahead of its step (``start_rollout``) is collected b
 ``produce_batch`` from whichever process asks.
 
 With ``trainer: disaggregated`` it also owns the background producer and its replay buffer
-(``engine.rollout.producer``); produced groups land in the lake as they are scored.
+(``engine.rollout.production.producer``); produced groups land in the lake as they are scored.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ import pyarrow as pa
 from transformers import AutoTokenizer
 
 from engine.algo.eval_metrics import evaluation_metrics
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prepare import PreparedBatch, prepare_train_data
 from engine.data.samples import RolloutSample
 from engine.rng import capture_rng, restore_rng
-from engine.rollout.base import RolloutBackend
-from engine.rollout.dynamic_sampling import fill_batch
-from engine.rollout.produce import (
+from engine.rollout.backends.base import RolloutBackend
+from engine.rollout.production.dynamic_sampling import fill_batch
+from engine.rollout.production.produce import (
     ProduceResult,
     rollout_groups,
     sampling_params,
     step_seed,
 )
-from engine.rollout.producer import Producer
-from engine.rollout.prompt_ledger import PromptLedger
-from engine.rollout.task_mix import rollout_inputs
+from engine.rollout.production.producer import Producer
+from engine.rollout.production.prompt_ledger import PromptLedger
+from engine.rollout.production.task_mix import rollout_inputs
 from engine.storage.checkpoints import load_object, save_object
 from engine.storage.lake import (
     SCHEMA,

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
 
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import RolloutConfig
 from engine.data.prompts import PromptRecord
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_metrics import agent_summary
-from engine.rollout.base import Generation, RolloutBackend, SamplingParams
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.agents.agent_metrics import agent_summary
+from engine.rollout.agents.base import AgentLoop
+from engine.rollout.agents.generate import generate
+from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from engine.rollout.rewards.runner import RewardRunner
 from engine.storage.lake import summary as trajectory_summary
 from engine.storage.ledger import LedgerEntries
-
-if TYPE_CHECKING:  # agent loops build on this module's generate()
-    from engine.rollout.agent_loops import AgentLoop
 
 
 @dataclass
@@ -90,73 +87,6 @@ def new_groups(
             for k in range(repeat)
         ])
     return groups
-
-
-def generate(
-    samples: list[RolloutSample],
-    backend: RolloutBackend,
-    params: SamplingParams,
-    decode: Callable[[list[int]], str] | None = None,
-) -> None:
-    """Generate the rest of each sample's response in one backend call: from the prompt, or, for a
-    sample a pause interrupted (partial rollout), from the prompt and the tokens it already has,
-    within what is left of its budget (``params.max_new_tokens``, or the prompt's own cap below it).
-    New tokens carry the backend's policy version; a sample interrupted again stays ABORTED, with
-    what it has. ``decode`` turns a continued sample's whole response into text (texts of two halves
-    need not join up at a token boundary)."""
-    if not samples:
-        return
-    lefts, step_params = _budgets(samples, params)
-    generations = backend.generate([s.prompt_ids + s.response_ids for s in samples], step_params, lefts)
-    for sample, generation, left in zip(samples, generations, lefts):
-        extend(sample, generation, left, backend.policy_version, decode)
-
-
-def generate_streaming(
-    samples: list[RolloutSample],
-    backend: RolloutBackend,
-    params: SamplingParams,
-    decode: Callable[[list[int]], str] | None = None,
-) -> Iterator[RolloutSample]:
-    """As ``generate``, yielding each sample as soon as it ends (stopped, capped or interrupted)."""
-    if not samples:
-        return
-    lefts, step_params = _budgets(samples, params)
-    version = backend.policy_version
-    for index, generation in backend.stream([s.prompt_ids + s.response_ids for s in samples], step_params, lefts):
-        extend(samples[index], generation, lefts[index], version, decode)
-        yield samples[index]
-
-
-def _budgets(samples: list[RolloutSample], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-    lefts = [max(1, budget_of(s, params) - len(s.response_ids)) for s in samples]
-    return lefts, dataclasses.replace(params, max_new_tokens=max(lefts))
-
-
-def extend(
-    sample: RolloutSample, generation: Generation, left: int, version: int, decode: Callable[[list[int]], str] | None
-) -> None:
-    """Append ``generation`` (at most ``left`` tokens, made by policy ``version``) to ``sample``."""
-    continued = bool(sample.response_ids)
-    if not continued:  # a fresh start: the response begins with the current policy
-        sample.policy_version = version
-    new_ids, new_logprobs = generation.response_ids[:left], generation.logprobs[:left]
-    earlier_versions = sample.response_versions or [sample.policy_version] * len(sample.response_ids)
-    sample.response_versions = earlier_versions + [version] * len(new_ids)
-    sample.response_ids = sample.response_ids + new_ids
-    sample.logprobs = sample.logprobs + new_logprobs
-    if not continued:
-        sample.response = generation.text
-    else:
-        sample.response = decode(sample.response_ids) if decode is not None else sample.response + generation.text
-    truncated = len(generation.response_ids) > left
-    sample.finish_reason = "length" if truncated else generation.finish_reason
-    sample.status = Status.ABORTED if sample.finish_reason == "abort" else Status.COMPLETED
-
-
-def budget_of(sample: RolloutSample, params: SamplingParams) -> int:
-    """A sample's cap on response tokens: the run's, or its prompt's own when that is smaller."""
-    return min(params.max_new_tokens, sample.max_new_tokens or params.max_new_tokens)
 
 
 def score(samples: list[RolloutSample], rewards: RewardRunner, overlong: OverlongShaping | None = None) -> None:

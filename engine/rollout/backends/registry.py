@@ -9,12 +9,12 @@ import torch
 
 from engine.config import TrellisConfig
 from engine.devices import rollout_device
-from engine.rollout.base import RolloutBackend
-from engine.rollout.transformers_backend import TransformersRollout
+from engine.rollout.backends.base import RolloutBackend
+from engine.rollout.backends.transformers_backend import TransformersRollout
 
 
 def _vllm(config: TrellisConfig, tokenizer) -> RolloutBackend:
-    from engine.rollout.vllm_backend import VllmRollout  # vLLM is an optional extra
+    from engine.rollout.backends.vllm_backend import VllmRollout  # vLLM is an optional extra
 
     rollout = config.rollout
     return VllmRollout(

@@ -22,16 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.rollout.shaping import OverlongShaping
+from engine.rollout.rewards.shaping import OverlongShaping
 from engine.config import TrellisConfig
 from engine.data.prompts import PromptRecord
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_loops import AgentLoop
-from engine.rollout.base import RolloutBackend
-from engine.rollout.dynamic_sampling import filter_flat_groups
-from engine.rollout.prompt_ledger import PromptLedger
-from engine.rollout.produce import (
+from engine.rollout.agents.base import AgentLoop
+from engine.rollout.backends.base import RolloutBackend
+from engine.rollout.production.dynamic_sampling import filter_flat_groups
+from engine.rollout.production.prompt_ledger import PromptLedger
+from engine.rollout.production.produce import (
     ProduceResult,
     new_groups,
     produce_summary,
@@ -39,8 +39,8 @@ from engine.rollout.produce import (
     score,
     step_seed,
 )
-from engine.rollout.replay_buffer import ReplayBuffer, staleness
-from engine.rollout.rewards import RewardRunner
+from engine.rollout.production.replay_buffer import ReplayBuffer, staleness
+from engine.rollout.rewards.runner import RewardRunner
 from engine.storage.ledger import LedgerEntries
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.rollout.bounded_calls import BoundedCalls
-from engine.rollout.tool_calls import ToolCall
+from engine.rollout.agents.tool_calls import ToolCall
 from engine.secrets import redact
 from engine.user_code import UserCodeError, load_attribute
 

@@ -5,7 +5,7 @@ samples. For each sample the agent function named by ``agent.entrypoint`` is cal
 
 where ``task`` holds the prompt's ``messages``, ``label``, ``data_source``, ``task_name`` and the row's
 other columns; the agent builds ``openai.OpenAI(base_url=base_url, api_key=api_key)`` and calls it as it
-would any server. Every call lands in the session's sample (``engine.rollout.gateway``). The agent may
+would any server. Every call lands in the session's sample (``engine.rollout.agents.gateway``). The agent may
 return its own reward (a number), which then stands for the sample's reward; ``None`` leaves scoring
 to ``reward.function``.
 
@@ -28,10 +28,10 @@ from typing import Any, Iterator
 
 from engine.config import AgentConfig
 from engine.data.samples import RolloutSample
-from engine.rollout.base import RolloutBackend, SamplingParams
-from engine.rollout.chat_session import ChatSession
-from engine.rollout.gateway import Gateway
-from engine.rollout.produce import budget_of
+from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from engine.rollout.agents.chat_session import ChatSession
+from engine.rollout.agents.gateway import Gateway
+from engine.rollout.agents.generate import budget_of
 from engine.user_code import load_function
 
 AGENT_ERROR_MAX_CHARS = 2000

@@ -22,7 +22,7 @@ import time
 from typing import Any, Iterator
 
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.agent_loops import append_turn, start_session
+from engine.rollout.agents.base import append_turn, start_session
 
 
 class SessionEnded(Exception):

@@ -13,24 +13,16 @@ why it ended: an answer (a turn with no tool call), ``max_turns``, the token bud
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 from engine.config import AgentConfig
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.base import Generation, RolloutBackend, SamplingParams
-from engine.rollout.produce import budget_of, generate, generate_streaming
-from engine.rollout.tool_calls import ToolCall, parse_tool_calls
-from engine.rollout.tools import ToolResult, ToolRunner
-
-
-class AgentLoop(Protocol):
-    def run(self, samples: list[RolloutSample], backend: RolloutBackend, params: SamplingParams) -> None: ...
-
-    def stream(self, samples: list[RolloutSample], backend: RolloutBackend, params: SamplingParams) -> Iterator[RolloutSample]:
-        """As ``run``, yielding each sample as soon as it has ended."""
-        ...
-
-    def close(self) -> None: ...
+from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from engine.rollout.agents.base import AgentLoop, append_turn, start_session
+from engine.rollout.agents.gateway_loop import GatewayLoop
+from engine.rollout.agents.generate import budget_of, generate, generate_streaming
+from engine.rollout.agents.tool_calls import ToolCall, parse_tool_calls
+from engine.rollout.agents.tools import ToolResult, ToolRunner
 
 
 class SingleTurnLoop:
@@ -138,27 +130,6 @@ class ToolLoop:
         self._tools.close()
 
 
-def start_session(sample: RolloutSample, loop: str, version: int | None = None, **record: list) -> None:
-    """A fresh session for ``sample`` (one interrupted earlier starts over: its tools may have had
-    effects): no response, no reward, and an empty ``agent`` record with the loop's own ``record`` lists."""
-    sample.response_ids, sample.logprobs, sample.response_mask, sample.response_versions = [], [], [], []
-    if version is not None:
-        sample.policy_version = version
-    sample.reward, sample.reward_payload = None, {}
-    sample.status, sample.finish_reason, sample.error = Status.COMPLETED, "", None
-    sample.agent = {"loop": loop, "turns": [], "tool_calls": [], **record, "stop_reason": None, "final_response": ""}
-
-
-def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], mask: int, version: int, turn: dict) -> None:
-    """Append a turn's ids to the response, with its logprobs, loss mask and token span."""
-    start = len(sample.response_ids)
-    sample.response_ids = sample.response_ids + list(ids)
-    sample.logprobs = sample.logprobs + list(logprobs)
-    sample.response_mask = (sample.response_mask or []) + [mask] * len(ids)
-    sample.response_versions = sample.response_versions + [version] * len(ids)
-    sample.agent["turns"].append({**turn, "start": start, "end": len(sample.response_ids)})
-
-
 def build_agent_loop(config: AgentConfig, tokenizer, max_prompt_tokens: int | None = None) -> AgentLoop:
     """``max_prompt_tokens``: the longest prompt the run trains on, for loops whose agents write their own."""
     def decode(ids: list[int]) -> str:
@@ -167,7 +138,5 @@ def build_agent_loop(config: AgentConfig, tokenizer, max_prompt_tokens: int | No
     if config.loop == "single_turn":
         return SingleTurnLoop(decode)
     if config.loop == "openai":
-        from engine.rollout.gateway_loop import GatewayLoop  # it builds on this module
-
         return GatewayLoop(config, tokenizer, max_prompt_tokens)
     return ToolLoop(config, lambda text: tokenizer.encode(text, add_special_tokens=False), decode)

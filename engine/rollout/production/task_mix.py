@@ -21,9 +21,10 @@ from engine.config import TaskConfig, TrellisConfig
 from engine.data.prompts import PromptRecord, SkipReport, load_prompts
 from engine.data.sampler import PromptSampler
 from engine.data.samples import RolloutSample
-from engine.rollout.agent_loops import AgentLoop, build_agent_loop
-from engine.rollout.base import RolloutBackend, SamplingParams
-from engine.rollout.rewards import RewardResult, RewardRunner
+from engine.rollout.agents.agent_loops import build_agent_loop
+from engine.rollout.agents.base import AgentLoop
+from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from engine.rollout.rewards.runner import RewardResult, RewardRunner
 from engine.storage.ledger import SINGLE_TASK
 
 

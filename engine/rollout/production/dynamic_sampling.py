@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from engine.data.samples import RolloutSample, Status
-from engine.rollout.produce import ProduceResult
+from engine.rollout.production.produce import ProduceResult
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 ``openai`` client: ``POST {base_url}/chat/completions`` with the session's key as the API key.
 
 Each call is served from the policy being trained, and its exact token ids and logprobs go into the
-session's sample (``engine.rollout.chat_session``). Calls from all live sessions are gathered for
+session's sample (``engine.rollout.agents.chat_session``). Calls from all live sessions are gathered for
 ``agent.batch_window_ms`` and generated in one backend call. The server listens on 127.0.0.1 only, on
 a free port; a key is a random token valid for one session, so a call cannot land in another's.
 
@@ -28,10 +28,10 @@ from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from engine.rollout.base import RolloutBackend, SamplingParams
-from engine.rollout.chat_session import ChatSession, SessionEnded
-from engine.rollout.generation_batcher import GenerationBatcher
-from engine.rollout.tool_calls import OPEN, parse_tool_calls
+from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from engine.rollout.agents.chat_session import ChatSession, SessionEnded
+from engine.rollout.agents.generation_batcher import GenerationBatcher
+from engine.rollout.agents.tool_calls import OPEN, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "policy"

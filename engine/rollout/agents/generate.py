@@ -1,0 +1,78 @@
+"""Continuing samples' responses in one backend call (the single-turn loop; a batch produced with no
+agent loop), and the token budget every loop's sessions live within. Agent loops and batch production
+both build on it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+from engine.data.samples import RolloutSample, Status
+from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+
+
+def generate(
+    samples: list[RolloutSample],
+    backend: RolloutBackend,
+    params: SamplingParams,
+    decode: Callable[[list[int]], str] | None = None,
+) -> None:
+    """Generate the rest of each sample's response in one backend call: from the prompt, or, for a
+    sample a pause interrupted (partial rollout), from the prompt and the tokens it already has,
+    within what is left of its budget (``params.max_new_tokens``, or the prompt's own cap below it).
+    New tokens carry the backend's policy version; a sample interrupted again stays ABORTED, with
+    what it has. ``decode`` turns a continued sample's whole response into text (texts of two halves
+    need not join up at a token boundary)."""
+    if not samples:
+        return
+    lefts, step_params = _budgets(samples, params)
+    generations = backend.generate([s.prompt_ids + s.response_ids for s in samples], step_params, lefts)
+    for sample, generation, left in zip(samples, generations, lefts):
+        extend(sample, generation, left, backend.policy_version, decode)
+
+
+def generate_streaming(
+    samples: list[RolloutSample],
+    backend: RolloutBackend,
+    params: SamplingParams,
+    decode: Callable[[list[int]], str] | None = None,
+) -> Iterator[RolloutSample]:
+    """As ``generate``, yielding each sample as soon as it ends (stopped, capped or interrupted)."""
+    if not samples:
+        return
+    lefts, step_params = _budgets(samples, params)
+    version = backend.policy_version
+    for index, generation in backend.stream([s.prompt_ids + s.response_ids for s in samples], step_params, lefts):
+        extend(samples[index], generation, lefts[index], version, decode)
+        yield samples[index]
+
+
+def _budgets(samples: list[RolloutSample], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    lefts = [max(1, budget_of(s, params) - len(s.response_ids)) for s in samples]
+    return lefts, dataclasses.replace(params, max_new_tokens=max(lefts))
+
+
+def extend(
+    sample: RolloutSample, generation: Generation, left: int, version: int, decode: Callable[[list[int]], str] | None
+) -> None:
+    """Append ``generation`` (at most ``left`` tokens, made by policy ``version``) to ``sample``."""
+    continued = bool(sample.response_ids)
+    if not continued:  # a fresh start: the response begins with the current policy
+        sample.policy_version = version
+    new_ids, new_logprobs = generation.response_ids[:left], generation.logprobs[:left]
+    earlier_versions = sample.response_versions or [sample.policy_version] * len(sample.response_ids)
+    sample.response_versions = earlier_versions + [version] * len(new_ids)
+    sample.response_ids = sample.response_ids + new_ids
+    sample.logprobs = sample.logprobs + new_logprobs
+    if not continued:
+        sample.response = generation.text
+    else:
+        sample.response = decode(sample.response_ids) if decode is not None else sample.response + generation.text
+    truncated = len(generation.response_ids) > left
+    sample.finish_reason = "length" if truncated else generation.finish_reason
+    sample.status = Status.ABORTED if sample.finish_reason == "abort" else Status.COMPLETED
+
+
+def budget_of(sample: RolloutSample, params: SamplingParams) -> int:
+    """A sample's cap on response tokens: the run's, or its prompt's own when that is smaller."""
+    return min(params.max_new_tokens, sample.max_new_tokens or params.max_new_tokens)
