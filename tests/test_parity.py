@@ -40,7 +40,7 @@ def _in_order(phases: list[str]) -> list[str]:
 def test_the_in_process_run_and_the_flow_run_are_the_same_run(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     changes = dict(
         total_train_steps=3, sync_weights_interval=1, evaluate_step=2, checkpoint_interval=2, hf_interval=3,
-        deterministic=True, cluster={"address": ray_cluster["address"], "overlap_next_rollout": True},
+        check_weights_interval=1, deterministic=True, cluster={"address": ray_cluster["address"], "overlap_next_rollout": True},
     )
     local = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="parity_local", **changes)
     with LocalRun(local) as run:
@@ -58,12 +58,13 @@ def test_the_in_process_run_and_the_flow_run_are_the_same_run(tiny_model, revers
     local_phases = {report.step: list(report.phases) for report in reports if report.step > 0}
     assert local_phases[3] == [
         "produce_batch", "write_trajectories", "prepare_data", "fit", "save_checkpoint", "export_hf", "sync_weights",
-        "log_step", "commit_checkpoint",
+        "check_weights", "log_step", "commit_checkpoint",
     ]
     assert "start_rollout" in local_phases[1] and "evaluate" in local_phases[2]
     for step, phases in local_phases.items():
         assert sorted(flow_phases[step]) == sorted(phases), step
         assert _in_order(flow_phases[step]) == _in_order(phases), step
+    assert all(logged_metrics(local)[step]["weights/largest_difference"] == 0.0 for step in (1, 2, 3))
 
 
 def _ledger_totals(config) -> dict[str, int]:
@@ -81,7 +82,7 @@ def test_the_disaggregated_trainer_runs_the_same_run_in_process_and_through_the_
     each step (the initial evaluation's included), and the ledger's totals by status."""
     changes = dict(
         trainer="disaggregated", replay_buffer={"max_staleness": 1}, total_train_steps=3, sync_weights_interval=1,
-        enable_evaluate=True, enable_initial_evaluate=True, evaluate_step=2, checkpoint_interval=2,
+        enable_evaluate=True, enable_initial_evaluate=True, evaluate_step=2, checkpoint_interval=2, check_weights_interval=1,
         cluster={"address": ray_cluster["address"]},
     )
     local = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="parity_async_local", **changes)
@@ -105,7 +106,7 @@ def test_the_disaggregated_trainer_runs_the_same_run_in_process_and_through_the_
     assert local_phases[0] == ["evaluate", "log_evaluation"]
     assert local_phases[2] == [
         "get_batch", "write_trajectories", "prepare_data", "fit", "pause_produce", "save_checkpoint", "sync_weights",
-        "evaluate", "continue_produce", "log_step", "commit_checkpoint",
+        "check_weights", "evaluate", "continue_produce", "log_step", "commit_checkpoint",
     ]
     for step in (1, 2, 3):
         assert sorted(flow_phases[step]) == sorted(local_phases[step]), step

@@ -13,11 +13,12 @@ from engine.config.sections import RolloutConfig
 @dataclass(frozen=True)
 class RolloutBackendTraits:
     needs_gpu: bool  # runs only on an accelerator (vLLM); otherwise on the trainer's device
+    serves_weights: bool  # exports the weights it generates with, by the trainer's names (check_weights reads them)
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendTraits] = {
-    "transformers": RolloutBackendTraits(needs_gpu=False),
-    "vllm": RolloutBackendTraits(needs_gpu=True),
+    "transformers": RolloutBackendTraits(needs_gpu=False, serves_weights=True),
+    "vllm": RolloutBackendTraits(needs_gpu=True, serves_weights=False)  # its own fused layout,
 }
 
 

@@ -29,6 +29,7 @@ from engine.run.run_log import record_step
 from engine.run.workers import Call, Workers, each
 from engine.storage.checkpoints import step_name
 from engine.train.worker import TrainingWorker
+from engine.weights.fingerprint import fingerprint, largest_difference
 
 _POLL_S = 2.0  # how long one ask of the replay buffer holds the controller
 
@@ -178,6 +179,22 @@ def sync_weights(ctx: PhaseContext, step: int) -> None:
     ctx.workers.sync_weights(step)
 
 
+def _trainer_print_on(trainer: TrainingWorker) -> dict:
+    return fingerprint(trainer.export_weights())  # every rank takes part in gathering the full tensors
+
+
+def _served_print_on(engine: Any) -> dict:
+    return fingerprint(engine.served_weights())
+
+
+def check_weights(ctx: PhaseContext, step: int) -> dict[str, float]:
+    """After a sync, every rollout engine serves the trainer's weights: their fingerprints agree
+    (``engine.weights.fingerprint``); otherwise the step fails with the tensors that differ."""
+    trainer, served = ctx.workers.run(Call("trainer", _trainer_print_on), Call("rollout", _served_print_on))
+    differences = [largest_difference(trainer[0], prints, engine=f"rollout engine {index}") for index, prints in enumerate(served)]
+    return {"weights/checked_tensors": float(len(trainer[0])), "weights/largest_difference": max(differences)}
+
+
 # -- evaluation and records -----------------------------------------------------------------------------
 
 
@@ -276,6 +293,7 @@ SAVE_CHECKPOINT = Phase("save_checkpoint", "trainer", save_checkpoint, ONCE, ())
 EXPORT_HF = Phase("export_hf", "trainer", export_hf, ONCE, ())
 PAUSE_PRODUCE = Phase("pause_produce", "controller", pause_produce, on_retry=())
 SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights)
+CHECK_WEIGHTS = Phase("check_weights", "rollout", check_weights, publishes=("metrics",))
 EVALUATE = Phase("evaluate", "controller", evaluate, publishes=("metrics",), needs="rollout")
 CONTINUE_PRODUCE = Phase("continue_produce", "controller", continue_produce)
 LOG_STEP = Phase("log_step", "controller", log_step, on_retry=(), publishes=("metrics_table", "step_links"))
@@ -286,7 +304,7 @@ PHASES: dict[str, Phase] = {
     phase.name: phase
     for phase in (
         PRODUCE_BATCH, START_ROLLOUT, LOAD_BATCH, GET_BATCH, WRITE_TRAJECTORIES, PREPARE_DATA, FIT, SAVE_CHECKPOINT,
-        EXPORT_HF, PAUSE_PRODUCE, SYNC_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP, COMMIT_CHECKPOINT,
+        EXPORT_HF, PAUSE_PRODUCE, SYNC_WEIGHTS, CHECK_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP, COMMIT_CHECKPOINT,
         LOG_EVALUATION,
     )
 }

@@ -3,7 +3,7 @@
 ``run_step`` calls the phases a ``StepPlan`` says are due, in this order:
 
     produce_batch (or load_batch) ─► write_trajectories (runs beside the next phases)
-        └─► prepare_data ─► fit ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► evaluate?
+        └─► prepare_data ─► fit ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► check_weights? ─► evaluate?
             ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
 
 Each phase is a row of ``engine.run.phases``; a runner runs it. The Prefect flow's runner makes each a
@@ -20,7 +20,8 @@ The disaggregated trainer's step (``plan.disaggregated``) takes its batch from t
 a producer fills beside it, and pauses the producer only around a weight sync:
 
     get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit
-        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► evaluate? ─► continue_produce]
+        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► check_weights? ─► evaluate?
+            ─► continue_produce]
         ─► log_step ─► commit_checkpoint?
 
 An empty batch marked expired means the producer waits for weights the trainer already has: the step
@@ -36,6 +37,7 @@ from typing import Any, Protocol
 
 from engine.run.metrics import RunCounters, StepRecord, timer
 from engine.run.phases import (
+    CHECK_WEIGHTS,
     COMMIT_CHECKPOINT,
     CONTINUE_PRODUCE,
     EVALUATE,
@@ -114,8 +116,7 @@ def run_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> Step
     prepared: Prepared = phases(PREPARE_DATA)
     fit_metrics: dict[str, float] = phases(FIT, prepared) if plan.fit else {}
     save_and_export(phases, plan)
-    if plan.sync_weights:
-        phases(SYNC_WEIGHTS)
+    sync_and_check(phases, plan)
     if written is not None:
         phases.links["trajectories"] = written.result()
     eval_metrics = evaluate_if_due(phases, plan)
@@ -143,6 +144,8 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
         phases(PAUSE_PRODUCE)
         save_and_export(phases, plan)
         phases(SYNC_WEIGHTS)
+        if plan.check_weights:
+            phases.metrics.update(phases(CHECK_WEIGHTS))
         eval_metrics = evaluate_if_due(phases, plan)
         phases(CONTINUE_PRODUCE)
     phases.links["trajectories"] = written.result()
@@ -157,6 +160,13 @@ def save_and_export(phases: StepPhases, plan: StepPlan) -> None:
         phases(SAVE_CHECKPOINT)
     if plan.export_hf:
         phases.links["hf-export"] = phases(EXPORT_HF)
+
+
+def sync_and_check(phases: StepPhases, plan: StepPlan) -> None:
+    if plan.sync_weights:
+        phases(SYNC_WEIGHTS)
+    if plan.check_weights:
+        phases.metrics.update(phases(CHECK_WEIGHTS))
 
 
 def evaluate_if_due(phases: StepPhases, plan: StepPlan) -> dict[str, float]:
