@@ -282,15 +282,16 @@ class Phase:
     needs: Role | None = None  # the side that holds the shared accelerator while it runs (colocated)
 
 
+# name, role, body; then what differs from a retried, idempotent phase whose retry first replaces lost rollout workers
 PRODUCE_BATCH = Phase("produce_batch", "controller", produce_batch, needs="rollout")
 START_ROLLOUT = Phase("start_rollout", "controller", start_rollout, needs="rollout")
 LOAD_BATCH = Phase("load_batch", "controller", load_batch)
 GET_BATCH = Phase("get_batch", "controller", get_batch, on_retry=(LOST_ROLLOUT, PRODUCER))
-WRITE_TRAJECTORIES = Phase("write_trajectories", "controller", write_trajectories)
+WRITE_TRAJECTORIES = Phase("write_trajectories", "controller", write_trajectories)  # a part is replaced, not appended
 PREPARE_DATA = Phase("prepare_data", "controller", prepare_data)
-FIT = Phase("fit", "trainer", fit, NEVER, (), ("metrics",), needs="trainer")  # the worker refuses a step it applied
-SAVE_CHECKPOINT = Phase("save_checkpoint", "trainer", save_checkpoint, ONCE, ())  # a retry starts the folder afresh
-EXPORT_HF = Phase("export_hf", "trainer", export_hf, ONCE, ())
+FIT = Phase("fit", "trainer", fit, retries=NEVER, on_retry=(), publishes=("metrics",), needs="trainer")  # refuses a step it applied
+SAVE_CHECKPOINT = Phase("save_checkpoint", "trainer", save_checkpoint, retries=ONCE, on_retry=())  # a retry starts afresh
+EXPORT_HF = Phase("export_hf", "trainer", export_hf, retries=ONCE, on_retry=())
 PAUSE_PRODUCE = Phase("pause_produce", "controller", pause_produce, on_retry=())
 SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights)
 CHECK_WEIGHTS = Phase("check_weights", "rollout", check_weights, publishes=("metrics",))
