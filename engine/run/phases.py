@@ -14,7 +14,7 @@ the actor by reference (module and name), so they stay module-level.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
 from engine.config import TrellisConfig
@@ -312,7 +312,8 @@ PHASES: dict[str, Phase] = {
 
 
 def run_phase(phase: Phase, ctx: PhaseContext, step: int, *inputs: Any) -> Any:
-    """The generic phase runner: the colocated switch the phase needs, then its body."""
+    """The generic phase runner: the colocated switch the phase needs, then its body, its calls named after it."""
+    ctx = replace(ctx, workers=ctx.workers.named(phase.name))
     if phase.needs is not None:
         ctx.workers.hand_accelerator_to(phase.needs)
     return phase.body(ctx, step, *inputs)

@@ -46,6 +46,10 @@ class Workers(Protocol):
         backend; ``wait=False`` launches it and returns at once."""
         ...
 
+    def named(self, phase: str) -> Workers:
+        """The same workers, their calls named after ``phase`` (a worker's failure says in which phase)."""
+        ...
+
     def hand_accelerator_to(self, role: Role) -> None: ...
     def sync_weights(self, policy_version: int) -> None: ...
     def replace_lost_rollout(self) -> bool: ...
@@ -80,6 +84,9 @@ class LocalWorkers:
     def drive(self, fn: Callable[..., Any], *args: Any, wait: bool = True) -> Any:
         """Nothing runs beside it here: a launched rollout is produced now (and kept for its step)."""
         return fn(self.controller, self.backend, *args)
+
+    def named(self, phase: str) -> LocalWorkers:
+        return self  # a failure here raises where it happens, in the phase's own traceback
 
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch: the other side offloads first (both calls do nothing on CPU, and
