@@ -6,8 +6,9 @@
            ├─ attach_workers, restore_checkpoint (-> the run plan)
            └─ rl_step[step=N] ...     one flow run per step: the phases of ``engine.run.step`` as tasks
 
-The order of a step's phases and which are due are the engine's (``engine.run.step``,
-``engine.run.plan``), shared with the in-process runner; these flows add Prefect around them.
+The run around the steps, the order of a step's phases and which are due are the engine's
+(``engine.run.loop``, ``engine.run.step``, ``engine.run.plan``), shared with the in-process runner;
+these flows add Prefect around them: a flow run per attempt and per step, tasks for the phases.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from engine.config import TrellisConfig
 from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, plan_step
-from engine.run.step import StepOutcome, run_initial_evaluation, run_step
+from engine.run.loop import run_steps
+from engine.run.step import StepOutcome, run_step
 from tasks.phases import TaskPhases
 from tasks.run_tasks import (
     attach_workers,
-    close_trackers,
     engine_warnings_in_run_log,
     failures_in_run_log,
-    publish_report,
     release_workers,
     restore_checkpoint,
 )
@@ -35,39 +35,28 @@ from tasks.run_tasks import (
 # (every cross-field rule) on each step's flow run is CPU the workers' cores pay for.
 @flow(name="rl_step", flow_run_name="rl_step[step={step}]", persist_result=False, validate_parameters=False)
 def rl_step(config: TrellisConfig, plan: RunPlan, step: int, counters: RunCounters) -> StepOutcome:
-    return run_step(TaskPhases(config, plan.devices), plan_step(config, plan, step), counters)
+    return run_step(TaskPhases(config, plan), plan_step(config, plan, step), counters)
 
 
 @flow(name="rl_run", flow_run_name="rl_run[{config.experiment_name}]", persist_result=False)
 def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
-    """One attempt at the run: attach to the workers, restore where it starts, then one ``rl_step``
-    flow run per step. A Prefect retry of a failed attempt resumes from the latest complete
+    """One attempt at the run: attach to the workers, restore where it starts, then ``run_steps`` with one
+    ``rl_step`` flow run per step. A Prefect retry of a failed attempt resumes from the latest complete
     checkpoint, if the failed attempt got past its start decision; a failure is written to the run log
     with what happens next."""
     with engine_warnings_in_run_log(config), failures_in_run_log(config) as attempt:
         plan = restore_checkpoint(config, resume, attach_workers(config))
         attempt.started = True
-        phases = TaskPhases(config, plan.devices)
-        metrics = run_initial_evaluation(phases, plan) or {}
-        counters, step = plan.counters, plan.first_step
-        if config.disaggregated and step <= plan.total_steps:
-            phases.continue_produce(plan.start.step)  # the producer starts with the weights the run starts from
         # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
         # is joined at the step's end, up to a second per step.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            while step <= plan.total_steps:
-                attempt.step = step
-                outcome = rl_step(config, plan, step, counters)
-                counters = outcome.counters
-                if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
-                    metrics, step = outcome.metrics, step + 1
-    if config.disaggregated and plan.first_step <= plan.total_steps:
-        phases.pause_produce(plan.total_steps)
-    close_trackers(config)
-    publish_report(config)
+            outcomes = run_steps(
+                TaskPhases(config, plan), config, plan, lambda step, counters: rl_step(config, plan, step, counters),
+                progress=attempt,
+            )
     if config.cluster.release_workers_at_end:
         release_workers(config)
-    return metrics
+    return outcomes[-1].metrics if outcomes else {}
 
 
 @flow(name="rl_train", flow_run_name="rl_train[{config.experiment_name}]", persist_result=False)

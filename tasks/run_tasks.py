@@ -13,11 +13,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from engine.cluster.head import connect
-from engine.cluster.phases import ClusterPhases
+from engine.cluster.ray_workers import RayWorkers
 from engine.cluster.workers import RunWorkers
 from engine.config import TrellisConfig
 from engine.errors import SettingError
 from engine.run.metrics import RunCounters
+from engine.run.loop import write_run_report
 from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
 from engine.run.resume import plan_start, record_owner, started_by
 from engine.run.run_log import (
@@ -32,7 +33,6 @@ from engine.secrets import install_log_redaction, write_runtime_environment
 from engine.storage.checkpoints import require_complete
 from engine.storage.ledger import forget_after
 from engine.storage.lineage import record_run_origin
-from engine.storage.report import write_report
 from tasks.artifacts import artifact_key, storage_link
 from tasks.step_tasks import NOT_STORED, unless_a_setting_error
 
@@ -60,7 +60,7 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     RunWorkers(config).restore(start)
     state = require_complete(start.checkpoint, config.storage_options) if start.checkpoint is not None else None
     plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
-    ClusterPhases(config).open_trackers(plan.first_step)
+    RayWorkers(config).open_trackers(plan.first_step)
     record_run_plan(config, plan)
     record_start(config, plan, attempt=flow_run.get_run_count())
     record_run_origin(config, start)
@@ -88,10 +88,8 @@ def release_workers(config: TrellisConfig) -> None:
 def publish_report(config: TrellisConfig) -> str | None:
     """The run's report (``engine.storage.report``) beside it, and its headline as an artifact. A report
     that cannot be drawn is a warning, never a failed run."""
-    try:
-        report = write_report(config.run_uri, storage_options=config.storage_options)
-    except Exception as error:
-        run_log_for(config).warning(f"no report: {type(error).__name__}: {error}")
+    report = write_run_report(config)
+    if report is None:
         return None
     create_markdown_artifact(
         key=artifact_key(config, "report"),
@@ -103,7 +101,7 @@ def publish_report(config: TrellisConfig) -> str | None:
 
 @task(name="close_trackers", **NOT_STORED)
 def close_trackers(config: TrellisConfig) -> None:
-    ClusterPhases(config).close_trackers()
+    RayWorkers(config).close_trackers()
 
 
 @contextmanager

@@ -54,6 +54,7 @@ def test_a_minimal_config_is_valid_and_frozen():
             {"train_worker": {"layout": "shared_prefix", "gradient_checkpointing": True}},
             "shared_prefix needs the prompts' KV cache, which gradient checkpointing drops",
         ),
+        ({"rollout": {"backend": "vllm"}, "check_weights_interval": 1}, "check_weights_interval needs a rollout backend that exports"),
         ({"cluster": {"weight_sync": "nccl"}}, "cluster.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'"),
         ({"train_worker": {"layout": "unpadded"}}, "train_worker.layout: Input should be 'auto', 'packed', 'padded' or 'shared_prefix'"),
         ({"train_worker": {"logprob_chunk_tokens": 0}}, "train_worker.logprob_chunk_tokens: Input should be greater than 0"),

@@ -1,8 +1,9 @@
 """The house rules a reader relies on, checked by parsing imports: deployments -> flows -> tasks ->
 engine; Ray only in engine/cluster; vLLM only in its backend; no transformers in engine/algo;
 Prefect only in flows/, tasks/ and deployments/; flows take from the engine only its configs, plans
-and result types (the step's order included: it is the engine's, ``engine.run.step``); engine/rollout's
-concerns import down and its modules in no circle; no code compares a rollout backend's name."""
+and result types (the step's order and the run around the steps included: they are the engine's,
+``engine.run.step`` and ``engine.run.loop``); engine/rollout's concerns import down and its modules in
+no circle; no code compares a rollout backend's name."""
 
 import ast
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("engine", "tasks", "flows", "deployments")
-FLOWS_MAY_IMPORT = {"engine.config", "engine.run.plan", "engine.run.step", "engine.run.metrics"}
+# engine.run.loop: the run around the steps (run_steps) is the engine's as the step's order is, shared
+# with the in-process runner; the flow adds only Prefect around it.
+FLOWS_MAY_IMPORT = {"engine.config", "engine.run.plan", "engine.run.step", "engine.run.loop", "engine.run.metrics"}
 
 
 def imported_modules(path: Path) -> set[str]:

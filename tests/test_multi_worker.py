@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import pytest
 import ray
@@ -70,10 +71,10 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
         for step in (1, 2):
             if step == 2:  # resume the one-rank worker from the ranks' checkpoint of step 1
                 uri = str(tmp_path / "ckpt")
-                workers.wait([rank.save_checkpoint.remote(uri, {}, True) for rank in ranks])
+                workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri, {}) for rank in ranks])
                 one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
                 assert one_rank.load_checkpoint(uri, {}) == 1
-            sharded = workers.wait([rank.fit.remote(batch_ref, step) for rank in ranks])
+            sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
             single = one_rank.fit(batch, step)
             assert all(result.metrics == sharded[0].metrics for result in sharded)  # every rank reports the whole step
             for name in COMPARED:

@@ -64,17 +64,23 @@ def test_after_a_cpu_sync_the_rollout_worker_serves_the_trainers_weights_tensor_
     """Tried: the trainer's weights changed by a training step, then synced through the object store
     (the CPU default) or a gloo broadcast. Every tensor the rollout worker generates with equals the
     trainer's, not only the version label."""
-    from engine.cluster.phases import ClusterPhases
+    from engine.cluster.ray_workers import RayWorkers
+    from engine.run.metrics import RunCounters
+    from engine.run.phases import FIT, PREPARE_DATA, PRODUCE_BATCH, PhaseContext, run_phase
+    from engine.run.plan import resolve_run_plan
+    from engine.run.resume import StartPlan
 
     config = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name=f"sync-equal-{choice}",
                          cluster={"address": ray_cluster["address"], "weight_sync": choice})
-    phases = ClusterPhases(config)
-    workers = phases.workers
-    workers.attach()
+    ray_workers = RayWorkers(config)
+    workers = ray_workers.cluster
+    facts = workers.attach()
+    ctx = PhaseContext(config, resolve_run_plan(config, facts, StartPlan(action="fresh", step=0), RunCounters.resumed(None)), ray_workers)
     try:
         trainer, rollout = workers.actor("trainer"), workers.actor("rollout")
         initial = ray.get(rollout.served_weights.remote())
-        phases.fit(1, phases.prepare_data(1, phases.produce_batch(1)))
+        run_phase(PRODUCE_BATCH, ctx, 1)
+        run_phase(FIT, ctx, 1, run_phase(PREPARE_DATA, ctx, 1))
         trained = ray.get(trainer.export_weights.remote())
         assert any(not torch.equal(trained[name], initial[name]) for name in initial)  # the step changed them
         assert weight_sync.push_weights(config, trainer, rollout, 1) == transport

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ray
 import torch
@@ -18,19 +18,17 @@ import torch
 from engine.cluster.remote_rollout import RemoteRollout
 from engine.config import TrellisConfig
 from engine.config.backends import backend_traits
-from engine.data.prepare import PreparedBatch
 from engine.devices import resolve_device, rollout_device, set_up_process
 from engine.faults import fault_point
 from engine.rollout.backends.registry import build_rollout_backend
 from engine.rollout.backends.base import Generation, SamplingParams
 from engine.rollout.production.controller import Controller
 from engine.rollout.backends.pool import RolloutPool
-from engine.rollout.production.produce import ProduceResult, produce_summary
 from engine.run.identity import WorkerFingerprint
 from engine.secrets import Credentials
 from engine.storage.trackers import Trackers
 from engine.train.fsdp import join_process_group
-from engine.train.worker import FitResult, TrainingWorker
+from engine.train.worker import TrainingWorker
 from engine.weights.broadcast import (
     SENDER,
     GroupAddress,
@@ -61,6 +59,14 @@ class BuiltFrom:
 
     def fingerprint(self) -> WorkerFingerprint:
         return self._fingerprint
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(worker, *args)`` on this shell's plain object: how every phase reaches a worker
+        (``engine.run.phases``, through ``engine.cluster.ray_workers``), with no method per phase here."""
+        return fn(self._target(), *args)
+
+    def _target(self) -> Any:
+        raise NotImplementedError
 
     def use_credentials(self, credentials: Credentials) -> None:
         """A later run's credentials replace those of the run that built this worker."""
@@ -144,8 +150,8 @@ class TrainerActor(BuiltFrom):
             group = self._weight_group
             group.send(flatten(weights, float_dtype=float_dtype, device=group.device))
 
-    def fit(self, batch: PreparedBatch, step: int) -> FitResult:
-        return self.worker.fit(batch, step)
+    def _target(self) -> TrainingWorker:
+        return self.worker
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; every rank must call it (gathering shards is collective)."""
@@ -156,14 +162,8 @@ class TrainerActor(BuiltFrom):
     def applied_step(self) -> int:
         return self.worker.applied_step
 
-    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], save_optimizer: bool) -> None:
-        self.worker.save_checkpoint(uri, storage_options, save_optimizer=save_optimizer)
-
     def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], load_optimizer: bool) -> int:
         return self.worker.load_checkpoint(uri, storage_options, load_optimizer=load_optimizer)
-
-    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
-        self.worker.export_hf(uri, storage_options, tokenizer_source)
 
     def offload(self) -> None:
         self.worker.offload()
@@ -190,6 +190,9 @@ class RolloutActor(BuiltFrom):
 
     def gpu_identity(self) -> str | None:
         return gpu_identity() if self._on_gpu else None
+
+    def _target(self) -> Any:
+        return self.backend
 
     def join_weight_group(self, address: GroupAddress, rank: int) -> None:
         self._weight_group = rejoin(self._weight_group, address, rank, self._timeout_s)
@@ -256,7 +259,7 @@ class ControllerInfo:
 
 @ray.remote(num_cpus=0, concurrency_groups={"records": 1})
 class ControllerActor(BuiltFrom):
-    """Produces, prepares, evaluates and stores batches; batches stay in the object store.
+    """Produces, prepares, evaluates and stores batches; it keeps each batch by step (the phases name it).
 
     The run's metric trackers are written in a concurrency group of their own: ``log_step`` must
     not queue behind the next step's rollout, which ``start_rollout`` launched on this actor.
@@ -295,63 +298,15 @@ class ControllerActor(BuiltFrom):
             self.trackers.close()
             self.trackers = None
 
-    @ray.method(num_returns=2)
-    def produce_batch(self, step: int, rollouts: list) -> tuple[dict[str, float], ProduceResult]:
-        """Idempotent: a batch launched ahead (``start_rollout``) is returned as produced."""
-        produced = self.controller.produce_batch(step, self._rollout(rollouts))
-        return produce_summary(produced), produced
+    def _target(self) -> Controller:
+        return self.controller
 
-    # -- trainer: disaggregated ----------------------------------------------------------------------
-
-    def continue_produce(self, model_step: int, rollouts: list) -> None:
-        """Start (or go on with) the background producer; ``rollouts`` serve ``model_step``'s weights."""
-        self.controller.producer.continue_produce(model_step, self._rollout(rollouts))
-
-    def restart_produce(self, rollouts: list) -> None:
-        """After a failure (a lost rollout worker, replaced since): go on with what ``rollouts`` serve."""
-        backend = self._rollout(rollouts)
-        self.controller.producer.continue_produce(backend.policy_version, backend)
-
-    def pause_produce(self) -> float:
-        paused_s = self.controller.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
-        fault_point("controller.paused")
-        return paused_s
-
-    @ray.method(num_returns=2)
-    def get_batch(self, step: int, wait_s: float) -> tuple[dict[str, float], ProduceResult | None]:
-        """The next training batch from the replay buffer, or an empty one marked ``expired`` when the
-        producer waits for weights the trainer already has; ``{"ready": 0}`` when none came within
-        ``wait_s``. The driver asks again: a call that waited long would hold this actor even for a
-        driver that died meanwhile."""
-        taken = self.controller.producer.get_batch(step, wait_s)
-        if taken is None:
-            return {"ready": 0.0}, None
-        summary, produced = taken.as_produced()
-        return {**summary, "ready": 1.0}, produced
-
-    @ray.method(num_returns=2)
-    def load_batch(self, step: int) -> tuple[dict[str, float], ProduceResult]:
-        produced = self.controller.load_batch(step)
-        return produce_summary(produced), produced
-
-    def save_checkpoint(self, uri: str) -> None:
-        self.controller.save_checkpoint(uri)
+    def drive(self, fn: Callable[..., Any], rollouts: list, *args: Any) -> Any:
+        """``fn(controller, engines, *args)``: ``rollouts`` (the rollout actors) as one backend."""
+        return fn(self.controller, self._rollout(rollouts), *args)
 
     def load_checkpoint(self, uri: str, load_dataset: bool) -> None:
         self.controller.load_checkpoint(uri, load_dataset=load_dataset)
-
-    @ray.method(num_returns=2)
-    def prepare_data(self, produced: ProduceResult, step: int) -> tuple[dict[str, float], PreparedBatch]:
-        batch = self.controller.prepare_data(produced.groups, step)
-        return batch.info, batch
-
-    def write_trajectories(self, produced: ProduceResult, step: int, split: str, flow_run_id: str | None = None) -> str:
-        return self.controller.write_trajectories(produced.groups, step, split, flow_run_id, ledger=produced.ledger)[0]
-
-    def evaluate(self, step: int, rollouts: list, flow_run_id: str | None = None) -> tuple[str, dict[str, float]]:
-        groups, metrics = self.controller.evaluate(step, self._rollout(rollouts))
-        uri, _ = self.controller.write_trajectories(groups, step, "eval", flow_run_id)
-        return uri, metrics
 
     def _rollout(self, rollouts: list) -> RemoteRollout | RolloutPool:
         """The rollout workers as one backend: the worker itself, or a pool spreading groups over them."""

@@ -36,6 +36,11 @@ def interval_problems(config: TrellisConfig) -> list[str]:
                 f"evaluate_step={config.evaluate_step} must be a multiple of sync_weights_interval={sync}, because "
                 "evaluation runs on weight-sync steps only."
             )
+    if config.check_weights_interval and not backend_traits(config.rollout.backend).exports_served_weights:
+        problems.append(
+            f"check_weights_interval needs a rollout backend that exports the weights it serves; {config.rollout.backend} "
+            "keeps its own layout: set check_weights_interval: 0."
+        )
     for name in ("checkpoint_maxkeep", "hf_max_keep"):
         keep = getattr(config, name)
         if keep is not None and keep != -1 and keep <= 0:

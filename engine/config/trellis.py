@@ -72,6 +72,13 @@ class TrellisConfig(Frozen):
     train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
 
     sync_weights_interval: int = Field(1, description="Steps between weight syncs to the rollout workers; saves and evaluations fall on sync steps.")
+    check_weights_interval: int = Field(
+        0, ge=0,
+        description="Every N-th weight sync, check that the rollout serves the trainer's weights (a few sums per "
+        "tensor on each side, compared; the step fails on a mismatch). 0 (default): never, because vLLM cannot "
+        "export the weights it serves. On the bundled tiny model on CPU a check takes ~40-75 ms, about a sync's "
+        "time or a tenth of a step; on a sharded model it also gathers the full weights once more.",
+    )
     enable_evaluate: bool = Field(
         False, description="Needs eval_dataset. XTuner's defaults to true; off here since most datasets come without a held-out split."
     )

@@ -117,6 +117,7 @@ class StepRecord:
     eval_metrics: dict[str, float]
     counters: RunCounters  # before this step
     links: dict[str, str] = field(default_factory=dict)  # for Prefect artifacts: trajectories, HF export...
+    phase_metrics: dict[str, float] = field(default_factory=dict)  # named in full by their phase (weights/*)
 
 
 def assemble_step_metrics(
@@ -136,6 +137,7 @@ def assemble_step_metrics(
     if "entropy" in fit_metrics:
         metrics["entropy/train"] = fit_metrics["entropy"]
     metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+    metrics.update(record.phase_metrics)
     metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/", "agent/"))})
     # The rollout's own wall time (generating and scoring), also when it ran before the step that trained
     # it (launched early, or by the asynchronous producer): time/produce_batch only counts the wait for it.

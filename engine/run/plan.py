@@ -139,6 +139,7 @@ class StepPlan:
     save_checkpoint: bool
     export_hf: bool
     sync_weights: bool
+    check_weights: bool  # after sync_weights: the rollout serves the trainer's weights
     evaluate: bool
     launch_next_rollout: bool  # start_rollout[step + 1] before this step's records
     disaggregated: bool = False  # the producer runs beside the step; it pauses around a weight sync
@@ -161,10 +162,16 @@ def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
         save_checkpoint=records and trains and _checkpoint_due(config, step, last),
         export_hf=records and trains and config.hf_interval not in (None, -1) and (step % config.hf_interval == 0 or last),
         sync_weights=synced,
+        check_weights=synced and _every(config.check_weights_interval, step // config.sync_weights_interval),
         evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
         launch_next_rollout=plan.overlap_next_rollout and rolls and not last and not config.disaggregated,
         disaggregated=config.disaggregated,
     )
+
+
+def _every(interval: int, count: int) -> bool:
+    """The ``count``-th occurrence is due every ``interval`` (0: never)."""
+    return interval > 0 and count % interval == 0
 
 
 def _checkpoint_due(config: TrellisConfig, step: int, last: bool) -> bool:

@@ -3,12 +3,12 @@
 ``run_step`` calls the phases a ``StepPlan`` says are due, in this order:
 
     produce_batch (or load_batch) ─► write_trajectories (runs beside the next phases)
-        └─► prepare_data ─► fit ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► evaluate?
+        └─► prepare_data ─► fit ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► check_weights? ─► evaluate?
             ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
 
-The Prefect flow passes phases that are Prefect tasks driving Ray actors (``tasks.phases``), so each
-phase is a named task run of the step's flow run; the in-process runner passes plain method calls
-(``engine.run.local``). Two changes of order from the reference:
+Each phase is a row of ``engine.run.phases``; a runner runs it. The Prefect flow's runner makes each a
+named task run of the step's flow run, driving Ray actors (``tasks.phases``); the in-process runner
+calls it on plain objects (``engine.run.local``). Two changes of order from the reference:
 
 - a checkpoint's files are written where the reference saves (after ``fit``), but it is sealed by
   ``commit_checkpoint`` after ``log_step``, so a complete checkpoint means its step is fully recorded;
@@ -20,7 +20,8 @@ The disaggregated trainer's step (``plan.disaggregated``) takes its batch from t
 a producer fills beside it, and pauses the producer only around a weight sync:
 
     get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit
-        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► evaluate? ─► continue_produce]
+        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► check_weights? ─► evaluate?
+            ─► continue_produce]
         ─► log_step ─► commit_checkpoint?
 
 An empty batch marked expired means the producer waits for weights the trainer already has: the step
@@ -31,202 +32,146 @@ Phase names are the task names, the timer names and the ``time/*`` metric names 
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from engine.run.metrics import RunCounters, StepRecord, timer
-from engine.run.plan import RunPlan, StepPlan
+from engine.run.phases import (
+    CHECK_WEIGHTS,
+    COMMIT_CHECKPOINT,
+    CONTINUE_PRODUCE,
+    EVALUATE,
+    EXPORT_HF,
+    FIT,
+    GET_BATCH,
+    LOAD_BATCH,
+    LOG_STEP,
+    PAUSE_PRODUCE,
+    PREPARE_DATA,
+    PRODUCE_BATCH,
+    SAVE_CHECKPOINT,
+    START_ROLLOUT,
+    SYNC_WEIGHTS,
+    WRITE_TRAJECTORIES,
+    Phase,
+)
+from engine.run.plan import StepPlan
+from engine.run.results import BatchHandle, Evaluation, Logged, Pending, Prepared, StepOutcome
 
-T = TypeVar("T", covariant=True)
-
-
-class Pending(Protocol[T]):
-    """A phase that runs beside the following ones; ``result`` waits for it."""
-
-    def result(self) -> T: ...
-
-
-@dataclass(frozen=True)
-class Done(Generic[T]):
-    """A phase that already ran (the in-process runner writes its trajectories at once)."""
-
-    value: T
-
-    def result(self) -> T:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Batch:
-    """A produced (or stored) batch: a few numbers for the orchestrator, the samples themselves (an
-    object-store reference or the in-process result), and the wall time its rollout was launched,
-    perhaps during the previous step."""
-
-    summary: dict[str, float]
-    samples: Any
-    launched_s: float = math.inf
+BATCH_SOURCES = {phase.name: phase for phase in (PRODUCE_BATCH, LOAD_BATCH, GET_BATCH)}
 
 
-@dataclass(frozen=True)
-class Prepared:
-    info: dict[str, float]  # response/* statistics and the training sample and token counts
-    sequences: Any
+class PhaseRunner(Protocol):
+    """Runs a phase of ``engine.run.phases`` (and the two ends of a run) as one runner does."""
+
+    def run(self, phase: Phase, step: int, *inputs: Any) -> Any: ...
+    def submit(self, phase: Phase, step: int, *inputs: Any) -> Pending[Any]: ...
+    def close_trackers(self) -> None: ...
+    def publish_report(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    uri: str  # where the evaluation's trajectories landed ("" when not recorded)
-    metrics: dict[str, float]
+class StepPhases:
+    """One step's phases as they run: their order, and the time of each (the ``time/*`` metrics)."""
+
+    def __init__(self, runner: PhaseRunner, step: int) -> None:
+        self.runner, self.step = runner, step
+        self.ran: list[str] = []
+        self.timings: dict[str, float] = {}
+        self.links: dict[str, str] = {}
+        self.metrics: dict[str, float] = {}  # of the phases that publish metrics beside fit's and evaluate's
+        self.started_s = time.time()
+
+    def __call__(self, phase: Phase, *inputs: Any, step: int | None = None) -> Any:
+        """Run ``phase`` (for ``step``, this step by default), timed."""
+        self.ran.append(phase.name)
+        with timer(phase.name, self.timings):
+            return self.runner.run(phase, self.step if step is None else step, *inputs)
+
+    def untimed(self, phase: Phase, *inputs: Any) -> Any:
+        self.ran.append(phase.name)
+        return self.runner.run(phase, self.step, *inputs)
+
+    def beside(self, phase: Phase, *inputs: Any) -> Pending[Any]:
+        self.ran.append(phase.name)
+        return self.runner.submit(phase, self.step, *inputs)
+
+    def finish(self, plan: StepPlan, record: StepRecord, sealed: bool) -> StepOutcome:
+        """log_step, then the checkpoint's seal: a complete checkpoint promises its step is fully recorded."""
+        logged: Logged = self.untimed(LOG_STEP, record)
+        if sealed:
+            self.untimed(COMMIT_CHECKPOINT, logged.counters)
+        return StepOutcome(plan.step, logged.metrics, logged.counters, tuple(self.ran))
+
+    def record(self, batch: BatchHandle, prepared: Prepared, fit_metrics: dict[str, float], eval_metrics: dict[str, float],
+               counters: RunCounters) -> StepRecord:
+        return StepRecord(self.timings, batch.metrics, prepared.info, fit_metrics, eval_metrics, counters, self.links, self.metrics)
 
 
-@dataclass(frozen=True)
-class Logged:
-    metrics: dict[str, float]
-    counters: RunCounters
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    step: int
-    metrics: dict[str, float]
-    counters: RunCounters
-    phases: tuple[str, ...]  # the phases that ran, in their order
-    advanced: bool = True  # False: no training happened (an expired batch); the step is run again
-
-
-class StepPhases(Protocol):
-    """The phases of a step and of the run around it, as one runner implements them."""
-
-    def produce_batch(self, step: int) -> Batch: ...
-    def load_batch(self, step: int) -> Batch: ...
-    def write_trajectories(self, step: int, batch: Batch) -> Pending[str]: ...
-    def prepare_data(self, step: int, batch: Batch) -> Prepared: ...
-    def fit(self, step: int, prepared: Prepared) -> dict[str, float]: ...
-    def save_checkpoint(self, step: int) -> str: ...
-    def export_hf(self, step: int) -> str: ...
-    def sync_weights(self, step: int) -> None: ...
-    def evaluate(self, step: int) -> Evaluation: ...
-    def start_rollout(self, step: int) -> None: ...
-    def log_step(self, step: int, record: StepRecord) -> Logged: ...
-    def commit_checkpoint(self, step: int, counters: RunCounters) -> str: ...
-    def log_evaluation(self, step: int, evaluation: Evaluation) -> dict[str, float]: ...
-    def get_batch(self, step: int) -> Batch: ...
-    def pause_produce(self, step: int) -> float: ...
-    def continue_produce(self, step: int) -> None: ...
-
-
-def run_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepOutcome:
+def run_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> StepOutcome:
     if plan.disaggregated:
-        return run_disaggregated_step(phases, plan, counters)
-    step, timings, ran = plan.step, {}, []
-    started_s = time.time()
-
-    def phase(name: str):
-        ran.append(name)
-        return timer(name, timings)
-
-    with phase(plan.batch_source):
-        batch = phases.load_batch(step) if plan.batch_source == "load_batch" else phases.produce_batch(step)
-    written = None
-    if plan.write_trajectories:
-        ran.append("write_trajectories")
-        written = phases.write_trajectories(step, batch)
-    with phase("prepare_data"):
-        prepared = phases.prepare_data(step, batch)
-    fit_metrics: dict[str, float] = {}
-    if plan.fit:
-        with phase("fit"):
-            fit_metrics = phases.fit(step, prepared)
-    links: dict[str, str] = {}
-    save_and_export(phases, plan, phase, links)
-    if plan.sync_weights:
-        with phase("sync_weights"):
-            phases.sync_weights(step)
+        return run_disaggregated_step(runner, plan, counters)
+    phases = StepPhases(runner, plan.step)
+    batch: BatchHandle = phases(BATCH_SOURCES[plan.batch_source])
+    written = phases.beside(WRITE_TRAJECTORIES) if plan.write_trajectories else None
+    prepared: Prepared = phases(PREPARE_DATA)
+    fit_metrics: dict[str, float] = phases(FIT, prepared) if plan.fit else {}
+    save_and_export(phases, plan)
+    sync_and_check(phases, plan)
     if written is not None:
-        links["trajectories"] = written.result()
-    eval_metrics = evaluate_if_due(phases, plan, phase, links)
-    timings["step"] = time.time() - min(started_s, batch.launched_s)  # from the launch of its rollout
+        phases.links["trajectories"] = written.result()
+    eval_metrics = evaluate_if_due(phases, plan)
+    phases.timings["step"] = time.time() - min(phases.started_s, batch.launched_s)  # from the launch of its rollout
     if plan.launch_next_rollout:
-        ran.append("start_rollout")
-        phases.start_rollout(step + 1)
-    ran.append("log_step")
-    record = StepRecord(timings, batch.summary, prepared.info, fit_metrics, eval_metrics, counters, links)
-    logged = phases.log_step(step, record)
-    if plan.save_checkpoint:  # sealed last: a complete checkpoint promises its step is fully recorded
-        ran.append("commit_checkpoint")
-        phases.commit_checkpoint(step, logged.counters)
-    return StepOutcome(step, logged.metrics, logged.counters, tuple(ran))
+        phases.ran.append(START_ROLLOUT.name)
+        runner.run(START_ROLLOUT, plan.step + 1)
+    return phases.finish(plan, phases.record(batch, prepared, fit_metrics, eval_metrics, counters), plan.save_checkpoint)
 
 
-def run_disaggregated_step(phases: StepPhases, plan: StepPlan, counters: RunCounters) -> StepOutcome:
-    step, timings, ran = plan.step, {}, []
-    started_s = time.time()
-
-    def phase(name: str):
-        ran.append(name)
-        return timer(name, timings)
-
-    with phase("get_batch"):
-        batch = phases.get_batch(step)
-    expired = bool(batch.summary.get("expired"))
-    if expired and not batch.summary["produced_samples"]:  # the producer waits for step - 1's weights
-        with phase("pause_produce"):
-            phases.pause_produce(step)
-        with phase("sync_weights"):
-            phases.sync_weights(step - 1)
-        with phase("continue_produce"):
-            phases.continue_produce(step - 1)
-        return StepOutcome(step, {}, counters, tuple(ran), advanced=False)
-    ran.append("write_trajectories")
-    written = phases.write_trajectories(step, batch)
-    with phase("prepare_data"):
-        prepared = phases.prepare_data(step, batch)
-    with phase("fit"):
-        fit_metrics = phases.fit(step, prepared)
-    links, eval_metrics = {}, {}
-    if plan.sync_weights or expired:
-        with phase("pause_produce"):
-            phases.pause_produce(step)
-        save_and_export(phases, plan, phase, links)
-        with phase("sync_weights"):
-            phases.sync_weights(step)
-        eval_metrics = evaluate_if_due(phases, plan, phase, links)
-        with phase("continue_produce"):
-            phases.continue_produce(step)
-    links["trajectories"] = written.result()
-    timings["step"] = time.time() - started_s
-    ran.append("log_step")
-    record = StepRecord(timings, batch.summary, prepared.info, fit_metrics, eval_metrics, counters, links)
-    logged = phases.log_step(step, record)
-    if plan.save_checkpoint and (plan.sync_weights or expired):
-        ran.append("commit_checkpoint")
-        phases.commit_checkpoint(step, logged.counters)
-    return StepOutcome(step, logged.metrics, logged.counters, tuple(ran))
+def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> StepOutcome:
+    step, phases = plan.step, StepPhases(runner, plan.step)
+    batch: BatchHandle = phases(GET_BATCH)
+    if batch.waits_for_weights:  # the producer waits for step - 1's weights
+        phases(PAUSE_PRODUCE)
+        phases(SYNC_WEIGHTS, step=step - 1)
+        phases(CONTINUE_PRODUCE, step=step - 1)
+        return StepOutcome(step, {}, counters, tuple(phases.ran), advanced=False)
+    written = phases.beside(WRITE_TRAJECTORIES)
+    prepared: Prepared = phases(PREPARE_DATA)
+    fit_metrics: dict[str, float] = phases(FIT, prepared)
+    eval_metrics: dict[str, float] = {}
+    synced = plan.sync_weights or batch.expired
+    if synced:
+        phases(PAUSE_PRODUCE)
+        save_and_export(phases, plan)
+        phases(SYNC_WEIGHTS)
+        if plan.check_weights:
+            phases.metrics.update(phases(CHECK_WEIGHTS))
+        eval_metrics = evaluate_if_due(phases, plan)
+        phases(CONTINUE_PRODUCE)
+    phases.links["trajectories"] = written.result()
+    phases.timings["step"] = time.time() - phases.started_s
+    record = phases.record(batch, prepared, fit_metrics, eval_metrics, counters)
+    return phases.finish(plan, record, plan.save_checkpoint and synced)
 
 
-def save_and_export(phases: StepPhases, plan: StepPlan, phase, links: dict[str, str]) -> None:
+def save_and_export(phases: StepPhases, plan: StepPlan) -> None:
     """The step's checkpoint files and HF export, when due (the checkpoint is sealed after log_step)."""
     if plan.save_checkpoint:
-        with phase("save_checkpoint"):
-            phases.save_checkpoint(plan.step)
+        phases(SAVE_CHECKPOINT)
     if plan.export_hf:
-        with phase("export_hf"):
-            links["hf-export"] = phases.export_hf(plan.step)
+        phases.links["hf-export"] = phases(EXPORT_HF)
 
 
-def evaluate_if_due(phases: StepPhases, plan: StepPlan, phase, links: dict[str, str]) -> dict[str, float]:
+def sync_and_check(phases: StepPhases, plan: StepPlan) -> None:
+    if plan.sync_weights:
+        phases(SYNC_WEIGHTS)
+    if plan.check_weights:
+        phases.metrics.update(phases(CHECK_WEIGHTS))
+
+
+def evaluate_if_due(phases: StepPhases, plan: StepPlan) -> dict[str, float]:
     if not plan.evaluate:
         return {}
-    with phase("evaluate"):
-        evaluation = phases.evaluate(plan.step)
-    links["eval-trajectories"] = evaluation.uri
+    evaluation: Evaluation = phases(EVALUATE)
+    phases.links["eval-trajectories"] = evaluation.uri
     return evaluation.metrics
-
-
-def run_initial_evaluation(phases: StepPhases, plan: RunPlan) -> dict[str, float] | None:
-    """The evaluation before any training (step 0), when the plan asks for it."""
-    if not plan.initial_evaluation:
-        return None
-    return phases.log_evaluation(0, phases.evaluate(0))

@@ -3,8 +3,8 @@ backend into scored batches. Used in-process by ``LocalRun`` and as a Ray actor 
 
 ``produce_batch(step)`` is idempotent: the sampler state before each step is remembered, so a retried
 step draws the same prompts with the same seed instead of skipping ahead, and the latest batches are
-kept, so a rollout launched ahead of its step (``start_rollout``) is collected by the step's
-``produce_batch`` from whichever process asks.
+kept by step, so a rollout launched ahead of its step (``start_rollout``) is collected by the step's
+``produce_batch`` from whichever process asks, and the step's later phases name their batch by step.
 
 With ``trainer: disaggregated`` it also owns the background producer and its replay buffer
 (``engine.rollout.production.producer``); produced groups land in the lake as they are scored.
@@ -114,10 +114,24 @@ class Controller:
             produced = produce_round(0, config.train_batch_size)
         if not config.debug_rollout:  # debug_rollout trains nothing: its prompts are not accounted for
             produced.ledger = self.ledger.entries()  # every group drawn is in this batch: none stays open
+        self.keep(step, produced)
+        return produced
+
+    def keep(self, step: int, produced: ProduceResult) -> None:
+        """Hold ``step``'s batch (produced, loaded or taken from the replay buffer) for the phases that
+        follow, which name it by step: the orchestrator never carries the samples back and forth."""
         self._produced[step] = produced
         for old in sorted(self._produced)[:-_KEPT_BATCHES]:
             del self._produced[old]
-        return produced
+
+    def batch(self, step: int) -> ProduceResult:
+        try:
+            return self._produced[step]
+        except KeyError:
+            raise LookupError(
+                f"The controller holds no batch of step {step} (it keeps the latest {_KEPT_BATCHES}: "
+                f"{sorted(self._produced)}); a restarted controller lost them and its run resumes from a checkpoint."
+            ) from None
 
     def load_batch(self, step: int) -> ProduceResult:
         """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""

@@ -145,7 +145,6 @@ def produce_summary(result: ProduceResult) -> dict[str, float]:
     samples = [s for group in result.groups for s in group]
     return {
         "produce_time_s": result.produce_time_s,
-        "launched_s": result.launched_s,
         "produced_samples": float(result.produced_samples),
         "produced_tokens": float(result.produced_tokens),
         "failed_samples": float(result.failed_samples),

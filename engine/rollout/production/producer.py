@@ -34,7 +34,6 @@ from engine.rollout.production.prompt_ledger import PromptLedger
 from engine.rollout.production.produce import (
     ProduceResult,
     new_groups,
-    produce_summary,
     sampling_params,
     score,
     step_seed,
@@ -59,13 +58,13 @@ class TakenBatch:
     produced_tokens: int = 0
     ledger: LedgerEntries | None = None  # with a batch of groups: what the ledger records beside them
 
-    def as_produced(self) -> tuple[dict[str, float], ProduceResult]:
-        """What ``produce_batch`` returns for a colocated step: the summary that travels to the step's
-        metrics (here with the ``async/*`` counters and ``expired``), and the samples."""
+    def as_produced(self) -> ProduceResult:
+        """What ``produce_batch`` returns for a colocated step; its counters carry the ``async/*`` figures."""
         produced = ProduceResult.of(self.groups, produce_time_s=self.produce_s)
         produced.produced_samples, produced.produced_tokens = self.produced_samples, self.produced_tokens
         produced.ledger = self.ledger
-        return {**produce_summary(produced), **self.counters, "expired": float(self.expired)}, produced
+        produced.counters = dict(self.counters)
+        return produced
 
 
 @dataclass
