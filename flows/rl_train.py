@@ -21,7 +21,6 @@ from engine.run.metrics import RunCounters
 from engine.run.plan import RunPlan, plan_step
 from engine.run.loop import run_steps
 from engine.run.step import StepOutcome, run_step
-from tasks import artifact_sender
 from tasks.phases import TaskPhases
 from tasks.run_tasks import (
     attach_workers,
@@ -51,13 +50,10 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
         # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
         # is joined at the step's end, up to a second per step.
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            try:
-                outcomes = run_steps(
-                    TaskPhases(config, plan), config, plan, lambda step, counters: rl_step(config, plan, step, counters),
-                    progress=attempt,
-                )
-            finally:
-                artifact_sender.flush()  # the steps' artifacts, posted without waiting, are all recorded
+            outcomes = run_steps(
+                TaskPhases(config, plan), config, plan, lambda step, counters: rl_step(config, plan, step, counters),
+                progress=attempt,
+            )
     if config.cluster.release_workers_at_end:
         release_workers(config)
     return outcomes[-1].metrics if outcomes else {}

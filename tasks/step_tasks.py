@@ -23,7 +23,6 @@ from engine.errors import SettingError
 from engine.run.phases import PHASES, Phase, PhaseContext, Retries, run_phase
 from engine.run.plan import RunPlan
 from engine.run.run_log import run_log_for
-from tasks import artifact_sender
 from tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -44,8 +43,7 @@ def task_options(retries: Retries) -> dict[str, Any]:
 
 
 def _metrics_table(config: TrellisConfig, step: int, inputs: tuple, logged: Any) -> None:
-    artifact_sender.send(
-        create_table_artifact,
+    create_table_artifact(
         key=artifact_key(config, "step-metrics"),
         table=[{"metric": k, "value": round(v, 6)} for k, v in sorted(logged.metrics.items())],
         description=f"{config.experiment_name}: metrics of step {step}",
@@ -55,18 +53,16 @@ def _metrics_table(config: TrellisConfig, step: int, inputs: tuple, logged: Any)
 def _step_links(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> None:
     (record,) = inputs
     for name, uri in record.links.items():
-        artifact_sender.send(create_link_artifact, key=artifact_key(config, name), link=storage_link(config, uri),
-                             link_text=f"{name} of step {step}: {uri}")
+        create_link_artifact(key=artifact_key(config, name), link=storage_link(config, uri), link_text=f"{name} of step {step}: {uri}")
 
 
 def _checkpoint_link(config: TrellisConfig, step: int, inputs: tuple, uri: Any) -> None:
-    artifact_sender.send(create_link_artifact, key=artifact_key(config, "checkpoint"), link=storage_link(config, uri),
-                         link_text=f"checkpoint of step {step}: {uri}")
+    create_link_artifact(key=artifact_key(config, "checkpoint"), link=storage_link(config, uri), link_text=f"checkpoint of step {step}: {uri}")
 
 
 def _eval_link(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> None:
     (evaluation,) = inputs
-    artifact_sender.send(create_link_artifact, key=artifact_key(config, "eval-trajectories"), link=storage_link(config, evaluation.uri),
+    create_link_artifact(key=artifact_key(config, "eval-trajectories"), link=storage_link(config, evaluation.uri),
                          link_text=f"eval trajectories of step {step}: {evaluation.uri}")
 
 
