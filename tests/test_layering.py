@@ -78,6 +78,22 @@ def test_flows_take_only_configs_plans_and_result_types_from_the_engine():
     assert offenders(sources("flows"), forbidden) == {}
 
 
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports in ``graph`` (module -> the modules it imports), each as its path."""
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycles.append(trail[trail.index(node):] + [node])
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+
+    for start in sorted(graph):
+        visit(start, [])
+    return cycles
+
+
 def engine_package(path: Path) -> str:
     """engine/train/worker.py -> engine.train; engine/secrets.py -> engine.secrets (a module of its own)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -94,18 +110,7 @@ def test_the_engine_packages_depend_on_each_other_without_cycles():
                 target = ".".join(name.split(".")[:2])
                 if target != package:
                     graph.setdefault(package, set()).add(target)
-    cycles = []
-
-    def visit(node: str, trail: list[str]) -> None:
-        if node in trail:
-            cycles.append(trail[trail.index(node):] + [node])
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, trail + [node])
-
-    for start in sorted(graph):
-        visit(start, [])
-    assert cycles == []
+    assert cycles_in(graph) == []
 
 
 ROLLOUT_ORDER = {"bounded_calls": 0, "backends": 1, "agents": 2, "rewards": 2, "production": 3}
@@ -140,18 +145,7 @@ def test_the_rollout_subpackages_import_down_and_their_modules_in_no_circle():
     upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                     if a in concern and concern[a] != concern[b] and ROLLOUT_ORDER[concern[a]] <= ROLLOUT_ORDER[concern[b]])
     assert upward == []
-    cycles = []
-
-    def visit(node: str, trail: list[str]) -> None:
-        if node in trail:
-            cycles.append(trail[trail.index(node):] + [node])
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, trail + [node])
-
-    for start in sorted(graph):
-        visit(start, [])
-    assert cycles == []
+    assert cycles_in(graph) == []
 
 
 def test_no_code_asks_for_a_rollout_backend_by_its_name():
