@@ -344,30 +344,31 @@ def main() -> None:
         os._exit(1)
 
 
-def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]]) -> dict:
-    """The settings side by side (checked equal), every figure's median with its spread, and the ratios
-    round by round."""
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]], peer: str = "trl",
+           figure_formats: dict[str, str] = FIGURES, differ_by_design: dict[str, str] = DIFFER_BY_DESIGN) -> dict:
+    """The settings side by side (checked equal), every figure's median with its spread, and trellis's
+    ratios to ``peer`` round by round (verl_peer.py reports through this too)."""
     ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
     columns = {f"{name}[{i}]": r["settings"] for name, rs in ok.items() for i, r in enumerate(rs, 1)}
-    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN)
+    table, unequal = settings_table(columns, differ_by_design=differ_by_design) if columns else ("(no run finished)", [])
     print("\nsettings, as each side's own records say:\n" + table)
-    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in FIGURES} for name, rs in ok.items() if rs}
-    print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, FIGURES))
+    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in figure_formats} for name, rs in ok.items() if rs}
+    if figures:
+        print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, figure_formats))
     summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
                "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
                "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
     for name in ("trellis", "trellis-compiled"):
-        if ok.get("trl") and ok.get(name):
-            pairs = list(zip(ok["trl"], ok[name]))
-            step = spread(t["step_s"] / s["step_s"] for t, s in pairs)
-            tgs = spread(s["trained_response_tokens_per_s"] / t["trained_response_tokens_per_s"] for t, s in pairs)
-            summary[f"{name}_vs_trl"] = {"step_speedup": step, "trained_response_tgs": tgs}
-            print(f"{name} vs trl, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
+        if ok.get(peer) and ok.get(name):
+            pairs = list(zip(ok[peer], ok[name]))
+            step = spread(p["step_s"] / s["step_s"] for p, s in pairs)
+            tgs = spread(s["trained_response_tokens_per_s"] / p["trained_response_tokens_per_s"] for p, s in pairs)
+            summary[f"{name}_vs_{peer}"] = {"step_speedup": step, "trained_response_tgs": tgs}
+            print(f"{name} vs {peer}, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
                   f"trained response tokens/s {tgs['median']:.2f}x ({tgs['min']:.2f}x .. {tgs['max']:.2f}x), n={step['n']}")
     if unequal:
         print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the sides.")
     return summary
-
 
 if __name__ == "__main__":
     main()

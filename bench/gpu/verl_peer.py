@@ -85,9 +85,9 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
-from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
+from _compare import alternated  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
-from trl_peer import GPU, TOKENS_COUNTED, WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
+from trl_peer import GPU, TOKENS_COUNTED, WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data, report  # noqa: E402
 
 CONTESTANTS = ("verl", "trellis", "trellis-compiled")
 REWARD_FILE = HERE / "verl_reward.py"
@@ -476,32 +476,8 @@ def main() -> None:
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}  response mean {r['response_len_mean']:.1f}"), flush=True)
         (args.out / "verl_runs_so_far.json").write_text(json.dumps(runs, indent=1))
-    summary = report(args, runs, order)
+    summary = report(args, runs, order, peer="verl", figure_formats=FIGURES, differ_by_design=DIFFER_BY_DESIGN)
     (args.out / "h200_verl_peer.json").write_text(json.dumps(summary, indent=1))
-
-
-def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]]) -> dict:
-    ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
-    columns = {f"{name}[{i}]": r["settings"] for name, rs in ok.items() for i, r in enumerate(rs, 1)}
-    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN) if columns else ("(no run finished)", [])
-    print("\nsettings, as each side's own records say:\n" + table)
-    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in FIGURES} for name, rs in ok.items() if rs}
-    if figures:
-        print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, FIGURES))
-    summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
-               "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
-               "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
-    for name in ("trellis", "trellis-compiled"):
-        if ok.get("verl") and ok.get(name):
-            pairs = list(zip(ok["verl"], ok[name]))
-            step = spread(v["step_s"] / s["step_s"] for v, s in pairs)
-            tgs = spread(s["trained_response_tokens_per_s"] / v["trained_response_tokens_per_s"] for v, s in pairs)
-            summary[f"{name}_vs_verl"] = {"step_speedup": step, "trained_response_tgs": tgs}
-            print(f"{name} vs verl, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
-                  f"trained response tokens/s {tgs['median']:.2f}x ({tgs['min']:.2f}x .. {tgs['max']:.2f}x), n={step['n']}")
-    if unequal:
-        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the sides.")
-    return summary
 
 
 if __name__ == "__main__":
