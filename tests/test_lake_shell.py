@@ -242,6 +242,18 @@ def test_the_installed_trellis_trajectories_query_and_show_answer_and_exit_clean
         assert f"  prompt: {row['prompt'][0]['content']}" in lines
 
 
+def test_the_installed_trellis_lineage_traces_a_sample_and_exits_cleanly_every_time(work_dir, tmp_path):
+    """Tried: `trellis lineage lake@2 --sample ID` as the executable, 4 times; the traced row must be
+    the one stored. Its former reading (a pyarrow dataset over fsspec) aborted at exit now and then,
+    which failed CI once; bench/exit_aborts.py counts those aborts over many runs, which a test can't afford."""
+    row = part(work_dir, "train", 2)[3]
+    for _ in range(4):
+        shown = installed_trellis("lineage", f"{RUN}@2", "--work-dir", str(work_dir), "--sample", row["rollout_id"], cwd=tmp_path)
+        assert_clean_exit(shown)
+    assert f"sample {row['rollout_id']}: split=train step 2, policy version {row['policy_version']}, reward {row['reward']}" in shown.stdout
+    assert "written by: an in-process run (no flow run)" in shown.stdout
+
+
 def test_the_installed_trellis_report_writes_the_page_and_a_plot_per_panel(work_dir, tmp_path):
     """Tried as the executable: `trellis report RUN --out DIR` exits 0, prints the page and one line per
     panel, and writes exactly those files: real PNGs with something drawn, each embedded in the page."""
