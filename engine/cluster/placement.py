@@ -7,7 +7,9 @@ rank k and rollout worker k. A bundle per trainer rank or rollout worker, placed
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal, Mapping
 
 import ray
 from ray.util.placement_group import (
@@ -33,10 +35,40 @@ class GpuPlacementError(RuntimeError):
     """The run needs GPUs that the cluster does not offer."""
 
 
-def gpu_requests(config: TrellisConfig, cluster_gpus: float) -> dict[Role, float]:
-    """The GPU fraction each role asks Ray for. On a cluster with GPUs, device ``auto`` means the
-    trainer takes one, and the rollout follows it (vLLM always needs one); by default the GPU workers
-    split one GPU, colocated, as XTuner's colocated trainer does."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's workers go, decided once (``decide_placement``) from the config and the cluster:
+
+    - ``gpus``: the GPU fraction each role's actors ask Ray for (absent: none);
+    - ``bundles``: the placement groups to hold, by side, each a bundle per trainer rank or rollout
+      worker (none for a colocated run on one GPU or on CPU, whose actors go anywhere);
+    - ``kind``: what a bundle holds, GPUs on a cluster with GPUs (unless the trainer is on CPU), else CPUs.
+    """
+
+    gpus: Mapping[Role, float]
+    bundles: Mapping[Side, tuple[Mapping[str, float], ...]]
+    kind: Literal["GPU", "CPU"]
+
+
+def decide_placement(config: TrellisConfig, cluster: Mapping[str, float]) -> Placement:
+    """On a cluster with GPUs, device ``auto`` means the trainer takes one and the rollout follows it
+    (vLLM always needs one); by default the GPU workers split one GPU, colocated, as XTuner's colocated
+    trainer does; the disaggregated trainer gives each side ``accelerators_per_worker`` of its own."""
+    cluster_gpus = cluster.get("GPU", 0.0)
+    device = config.train_worker.device
+    kind: Literal["GPU", "CPU"] = "GPU" if cluster_gpus > 0 and device != "cpu" else "CPU"
+    if config.disaggregated:
+        bundles = {side: (MappingProxyType({kind: _resources(config, side).accelerators_per_worker}),) * _resources(config, side).num_workers
+                   for side in ("train", "rollout")}
+    else:
+        workers = max(config.train_resources.num_workers, config.rollout_resources.num_workers)
+        # Several colocated GPU workers: the k-th bundle (a GPU) holds trainer rank k and rollout worker k.
+        several_on_gpus = workers > 1 and kind == "GPU"
+        bundles = {"colocated": (MappingProxyType({kind: 1.0}),) * workers} if several_on_gpus else {}
+    return Placement(gpus=MappingProxyType(_gpu_requests(config, cluster_gpus)), bundles=MappingProxyType(bundles), kind=kind)
+
+
+def _gpu_requests(config: TrellisConfig, cluster_gpus: float) -> dict[Role, float]:
     roles = roles_for(config)
     device = config.train_worker.device
     trainer_gpu = device == "cuda" or (device == "auto" and cluster_gpus > 0)
@@ -61,66 +93,34 @@ def _resources(config: TrellisConfig, side: Side):
     return config.train_resources if side == "train" else config.rollout_resources
 
 
-def placement_strategy(config: TrellisConfig, role: Role, index: int, timeout_s: float) -> PlacementGroupSchedulingStrategy | None:
-    """Where the ``index``-th actor of ``role`` goes: its bundle of the run's placement group, or
-    anywhere (None) for a colocated run on one GPU or on CPU."""
-    if config.disaggregated:
-        return side_placement(config, role, index, timeout_s)
-    if role == "controller" or not _colocated_on_gpus(config):
+def placement_strategy(config: TrellisConfig, placement: Placement, role: Role, index: int,
+                       timeout_s: float) -> PlacementGroupSchedulingStrategy | None:
+    """Where the ``index``-th actor of ``role`` goes: its bundle of its side's placement group, or
+    anywhere (None) when the run holds no group; the controller of a colocated run goes anywhere."""
+    if not placement.bundles or (role == "controller" and not config.disaggregated):
         return None
-    group = _placement_group(config, "colocated", timeout_s)
-    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-
-
-def _colocated_on_gpus(config: TrellisConfig) -> bool:
-    """A colocated run on several GPUs: each bundle holds one trainer rank and one rollout worker."""
-    workers = max(config.train_resources.num_workers, config.rollout_resources.num_workers)
-    return workers > 1 and ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu"
-
-
-def side_placement(config: TrellisConfig, role: Role, index: int, timeout_s: float) -> PlacementGroupSchedulingStrategy:
-    """The scheduling strategy that puts ``role`` in its side's placement group (made on first use:
-    ``num_workers`` bundles of ``accelerators_per_worker`` GPUs, or CPUs on a cluster without GPUs)."""
-    groups = {side: _placement_group(config, side, timeout_s) for side in ("train", "rollout")}
-    if groups["train"].id == groups["rollout"].id:
+    groups = {side: _placement_group(config, placement, side, timeout_s) for side in placement.bundles}
+    if config.disaggregated and groups["train"].id == groups["rollout"].id:
         raise GpuPlacementError(
             f"The train and rollout placement groups of {config.experiment_name} resolved to one group "
             f"({groups['train'].id}); a disaggregated run needs two. Release the run's workers and try again."
         )
-    return PlacementGroupSchedulingStrategy(placement_group=groups[SIDE_OF[role]], placement_group_bundle_index=index)
+    side = SIDE_OF[role] if config.disaggregated else "colocated"
+    return PlacementGroupSchedulingStrategy(placement_group=groups[side], placement_group_bundle_index=index)
 
 
-def check_fits(config: TrellisConfig) -> None:
+def check_fits(config: TrellisConfig, placement: Placement, cluster: Mapping[str, float]) -> None:
     """Refuse at once a run that asks for more GPUs (or CPUs) than the whole cluster has, instead of
     waiting for a placement group that can never be placed."""
-    cluster = ray.cluster_resources()
-    kind = _bundle_kind(config)
-    bundles = {side: _bundles(config, side) for side in _sides(config)}
-    wanted = sum(bundle[kind] for side_bundles in bundles.values() for bundle in side_bundles)
+    kind = placement.kind
+    wanted = sum(bundle[kind] for side_bundles in placement.bundles.values() for bundle in side_bundles)
     if wanted > cluster.get(kind, 0.0) + 1e-9:
-        asked = ", ".join(f"{side}: {len(b)} x {b[0][kind]:g} {kind}" for side, b in bundles.items())
+        asked = ", ".join(f"{side}: {len(b)} x {b[0][kind]:g} {kind}" for side, b in placement.bundles.items())
         raise GpuPlacementError(
             f"{config.experiment_name} asks for {wanted:g} {kind} ({asked}), but the Ray cluster has "
             f"{cluster.get(kind, 0.0):g}. Lower train_resources / rollout_resources (num_workers, "
             "accelerators_per_worker), or add nodes to the cluster."
         )
-
-
-def _sides(config: TrellisConfig) -> tuple[Side, ...]:
-    return ("train", "rollout") if config.disaggregated else ("colocated",)
-
-
-def _bundle_kind(config: TrellisConfig) -> str:
-    return "GPU" if ray.cluster_resources().get("GPU", 0.0) > 0 and config.train_worker.device != "cpu" else "CPU"
-
-
-def _bundles(config: TrellisConfig, side: Side) -> list[dict[str, float]]:
-    kind = _bundle_kind(config)
-    if side == "colocated":
-        workers = max(config.train_resources.num_workers, config.rollout_resources.num_workers)
-        return [{kind: 1.0}] * workers
-    resources = _resources(config, side)
-    return [{kind: resources.accelerators_per_worker}] * resources.num_workers
 
 
 def remove_side_placements(config: TrellisConfig) -> None:
@@ -144,13 +144,13 @@ def _group_name(config: TrellisConfig, side: Side) -> str:
     return f"trellis-{config.experiment_name}-{side}"
 
 
-def _placement_group(config: TrellisConfig, side: Side, timeout_s: float) -> PlacementGroup:
+def _placement_group(config: TrellisConfig, placement: Placement, side: Side, timeout_s: float) -> PlacementGroup:
     name = _group_name(config, side)
     existing = _find_group(name)
     if existing is not None:
         return existing
-    check_fits(config)
-    bundles = _bundles(config, side)
+    check_fits(config, placement, ray.cluster_resources())
+    bundles = [dict(bundle) for bundle in placement.bundles[side]]
     group = placement_group(bundles, strategy=config.cluster.placement_strategy, name=name, lifetime="detached")
     first_look_s = min(_FIRST_LOOK_S, timeout_s)
     placed = group.wait(timeout_seconds=first_look_s)

@@ -34,7 +34,8 @@ from engine.cluster.actor_gpus import gpus_of, on_gpus
 from engine.cluster.environment import check_worker_environment, worker_runtime_env
 from engine.cluster.failures import worker_error
 from engine.cluster.placement import (
-    gpu_requests,
+    Placement,
+    decide_placement,
     placement_strategy,
     remove_side_placements,
 )
@@ -71,6 +72,11 @@ class RunWorkers:
         bundle = shipped_code(self.config)
         credentials = Credentials.from_environment(self.config.cluster.forward_env)
         return Launch(bundle, WorkerFingerprint.of(self.config, bundle), credentials)
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """Where this run's workers go: decided here, once, from the config and the cluster."""
+        return decide_placement(self.config, ray.cluster_resources())
 
     def wait(self, refs: Any) -> Any:
         """``ray.get`` bounded by ``cluster.ray_get_timeout_s``; for a list, the first failure is raised
@@ -334,10 +340,10 @@ class RunWorkers:
             name=self.names(role)[index], namespace=config.ray_namespace, lifetime="detached", get_if_exists=True,
             max_concurrency=1,
         )
-        gpus = gpu_requests(config, ray.cluster_resources().get("GPU", 0.0)).get(role)
+        gpus = self.placement.gpus.get(role)
         if gpus:
             options["num_gpus"] = gpus
-        strategy = placement_strategy(config, role, index, self._timeout_s)
+        strategy = placement_strategy(config, self.placement, role, index, self._timeout_s)
         if strategy is not None:
             options["scheduling_strategy"] = strategy
         runtime_env = worker_runtime_env(config, launch.bundle, role)
