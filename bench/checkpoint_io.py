@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import TrellisConfig
-from engine.tiny.model import build_tiny_checkpoint
-from engine.train.worker import TrainingWorker
+from trellis.engine.config import TrellisConfig
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.train.worker import TrainingWorker
 
 
 def build_worker(root: Path, hidden: int, layers: int) -> TrainingWorker:

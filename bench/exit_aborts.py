@@ -35,7 +35,7 @@ print(dataset.to_table(columns=["split", "step"], filter=ds.field("rollout_id") 
 
 TRACE_SAMPLE = """
 import sys
-from engine.storage.lineage import trace_sample
+from trellis.engine.storage.lineage import trace_sample
 print(trace_sample(sys.argv[1], sys.argv[2]))
 """
 

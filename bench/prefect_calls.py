@@ -41,10 +41,10 @@ from prefect._internal.concurrency.calls import Call, current_call  # noqa: E402
 from prefect.events.clients import EventsClient, PrefectEventsClient  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
-from engine.config.loading import load_config  # noqa: E402
-from engine.tiny.model import build_tiny_checkpoint  # noqa: E402
-from engine.tiny.reverse_task import write_dataset  # noqa: E402
-from flows.rl_train import rl_train  # noqa: E402
+from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.tiny.model import build_tiny_checkpoint  # noqa: E402
+from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
+from trellis.flows.rl_train import rl_train  # noqa: E402
 
 MAIN = threading.main_thread()
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

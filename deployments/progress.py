@@ -24,14 +24,14 @@ class RunLogTail:
     its ERROR lines (a failure the run recorded, which the console need not repeat)."""
 
     def __init__(self, config) -> None:
-        from engine.run.run_log import run_log_uri
+        from trellis.engine.run.run_log import run_log_uri
 
         self._uri, self._options = run_log_uri(config.log_uri), config.storage_options
         self._seen = len(_read(self._uri, self._options) or "")
         self.errors_shown = 0
 
     def new_lines(self) -> list[str]:
-        from engine.run.run_log import console_lines, error_lines
+        from trellis.engine.run.run_log import console_lines, error_lines
 
         text = _read(self._uri, self._options) or ""
         fresh, self._seen = text[self._seen :], len(text)
@@ -40,7 +40,7 @@ class RunLogTail:
 
 
 def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
-    from engine.run.plan import run_plan_uri
+    from trellis.engine.run.plan import run_plan_uri
 
     logs = f"{config.run_uri}/logs"
     seen: set[int] = set()

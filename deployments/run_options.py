@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from engine.storage.runs import RunRef, locate_run
+from trellis.engine.storage.runs import RunRef, locate_run
 
 WorkDirOption = Annotated[
     Optional[str], typer.Option("--work-dir", help="Where runs live (any fsspec URI); default: the config's, else work_dirs.")
@@ -25,7 +25,7 @@ def storage_location(work_dir: str | None, config: Path | None, options: list[st
     """(work_dir, storage_options) from the options; credentials stay in the environment."""
     storage: dict = {}
     if config is not None:
-        from engine.config.loading import load_config
+        from trellis.engine.config.loading import load_config
 
         cfg = load_config(config)
         storage.update(cfg.storage_options)

@@ -12,16 +12,16 @@ from prefect import get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
-from engine.cluster.head import connect
-from engine.cluster.ray_workers import RayWorkers
-from engine.cluster.workers import RunWorkers
-from engine.config import TrellisConfig
-from engine.errors import SettingError
-from engine.run.metrics import RunCounters
-from engine.run.loop import write_run_report
-from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
-from engine.run.resume import plan_start, record_owner, started_by
-from engine.run.run_log import (
+from trellis.engine.cluster.head import connect
+from trellis.engine.cluster.ray_workers import RayWorkers
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.config import TrellisConfig
+from trellis.engine.errors import SettingError
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.run.loop import write_run_report
+from trellis.engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
+from trellis.engine.run.resume import plan_start, record_owner, started_by
+from trellis.engine.run.run_log import (
     RunLog,
     RunLogHandler,
     after_failure,
@@ -29,12 +29,12 @@ from engine.run.run_log import (
     record_start,
     run_log_for,
 )
-from engine.secrets import install_log_redaction, write_runtime_environment
-from engine.storage.checkpoints import require_complete
-from engine.storage.ledger import forget_after
-from engine.storage.lineage import record_run_origin
-from tasks.artifacts import artifact_key, storage_link
-from tasks.step_tasks import NOT_STORED, unless_a_setting_error
+from trellis.engine.secrets import install_log_redaction, write_runtime_environment
+from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.ledger import forget_after
+from trellis.engine.storage.lineage import record_run_origin
+from trellis.tasks.artifacts import artifact_key, storage_link
+from trellis.tasks.step_tasks import NOT_STORED, unless_a_setting_error
 
 
 @task(name="attach_workers", retries=2, retry_delay_seconds=2, retry_condition_fn=unless_a_setting_error, **NOT_STORED)

@@ -11,10 +11,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
-from engine.storage.lake import LakeError
-from engine.run.local import LocalRun
-from engine.run.resume import RunExistsError, StartPlan, plan_start
+from trellis.engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
+from trellis.engine.storage.lake import LakeError
+from trellis.engine.run.local import LocalRun
+from trellis.engine.run.resume import RunExistsError, StartPlan, plan_start
 from helpers import lake_rows, logged_metrics, tiny_config
 
 FIT_METRICS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac", "mismatch/k3_kl")
@@ -192,7 +192,7 @@ def test_debug_rollout_then_debug_train_reproduces_the_first_step(tiny_model, re
 
 
 def test_the_start_plan_rules(tmp_path):
-    from engine.config import TrellisConfig
+    from trellis.engine.config import TrellisConfig
 
     def config(**changes):
         return TrellisConfig(load_from="m", train_dataset={"path": "d"}, total_train_steps=9, work_dir=str(tmp_path),

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from engine.config.loading import ConfigError, load_config
+from trellis.engine.config.loading import ConfigError, load_config
 
 BASE = {"load_from": "/models/tiny", "train_dataset": {"path": "train.parquet"}, "total_train_steps": 10}
 

@@ -7,15 +7,15 @@ import fsspec
 import pytest
 import torch
 
-from engine.algo.advantages import opo
-from engine.algo.reward_shaping import overlong_penalty
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import AdvantageConfig
-from engine.data.prepare import prepare_train_data
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.production.dynamic_sampling import fill_batch
-from engine.rollout.production.produce import ProduceResult
-from engine.run.local import LocalRun
+from trellis.engine.algo.advantages import opo
+from trellis.engine.algo.reward_shaping import overlong_penalty
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import AdvantageConfig
+from trellis.engine.data.prepare import prepare_train_data
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.production.dynamic_sampling import fill_batch
+from trellis.engine.rollout.production.produce import ProduceResult
+from trellis.engine.run.local import LocalRun
 from helpers import lake_rows, tiny_config
 
 

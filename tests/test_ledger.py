@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.run.local import LocalRun
-from engine.storage.ledger import EXACTLY_ONCE
-from engine.storage.ledger_check import check_ledger
-from engine.tiny.reverse_task import write_dataset
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.ledger import EXACTLY_ONCE
+from trellis.engine.storage.ledger_check import check_ledger
+from trellis.engine.tiny.reverse_task import write_dataset
 from helpers import lake_rows, moto_s3_server, tiny_config
 
 PROMPTS = 40

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from engine.config.loading import ConfigError, load_config
-from engine.run.local import LocalRun
-from engine.storage.checkpoints import load_object
-from engine.tiny import reverse_task
+from trellis.engine.config.loading import ConfigError, load_config
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.checkpoints import load_object
+from trellis.engine.tiny import reverse_task
 from helpers import lake_rows, logged_metrics
 
 
@@ -29,7 +29,7 @@ def mixed_config(lookup, reverse_prompts, work_dir, **changes):
          "train_dataset": {"path": str(lookup["train"]), "max_prompt_length": 64},
          "eval_dataset": {"path": str(lookup["eval"]), "max_prompt_length": 64, "limit": 32}},
         {"name": "reverse", "weight": 1.0, "agent": {"loop": "single_turn"},
-         "reward": {"function": "engine.tiny.reverse_task:score"}, "temperature": 0.0, "max_new_tokens": 12,
+         "reward": {"function": "trellis.engine.tiny.reverse_task:score"}, "temperature": 0.0, "max_new_tokens": 12,
          "train_dataset": {"path": str(reverse_prompts["train"]), "max_prompt_length": 64},
          "eval_dataset": {"path": str(reverse_prompts["eval"]), "max_prompt_length": 64, "limit": 16}},
     ]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.cluster.placement import GpuPlacementError, gpu_requests
-from engine.config.loading import load_config
+from trellis.engine.cluster.placement import GpuPlacementError, gpu_requests
+from trellis.engine.config.loading import load_config
 
 
 def _config(**changes):

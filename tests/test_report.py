@@ -13,9 +13,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from deployments.cli_report import report
-from engine.run.local import LocalRun
-from engine.storage.report import PANELS, ReportError, panel_figure, png_of, write_report
+from trellis.deployments.cli_report import report
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.report import PANELS, ReportError, panel_figure, png_of, write_report
 from helpers import moto_s3_server, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -14,11 +14,11 @@ from pathlib import Path
 import fsspec
 import yaml
 
-from engine.config.loading import load_config
-from engine.run.run_log import RunLog, console_lines, read_run_log
-from engine.tiny.reverse_task import make_rows
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.run_log import RunLog, console_lines, read_run_log
+from trellis.engine.tiny.reverse_task import make_rows
 from helpers import moto_s3_server
-from tasks.artifacts import console_link, storage_link
+from trellis.tasks.artifacts import console_link, storage_link
 
 ROOT = Path(__file__).resolve().parents[1]
 TRELLIS = str(Path(sys.executable).with_name("trellis"))

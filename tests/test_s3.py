@@ -14,8 +14,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.storage.checkpoints import SaveStore
-from flows.rl_train import rl_train
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, moto_s3_server, tiny_config
 
 BUCKET = "trellis-test"

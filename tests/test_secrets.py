@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from engine.config import TrellisConfig
-from engine.config.loading import ConfigError, load_config
-from engine.secrets import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.loading import ConfigError, load_config
+from trellis.engine.secrets import (
     REDACTED,
     install_log_redaction,
     redact,
@@ -92,8 +92,8 @@ def test_tracebacks_and_reward_errors_are_scrubbed_too():
     stored with the sample carries it."""
     import io
 
-    from engine.config import RewardConfig
-    from engine.rollout.rewards.runner import RewardRunner
+    from trellis.engine.config import RewardConfig
+    from trellis.engine.rollout.rewards.runner import RewardRunner
 
     secret = "AKIA-LEAKY-0123456789"
     install_log_redaction({"aws_secret_access_key": secret})

@@ -24,16 +24,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from engine.storage.checkpoints import CheckpointError
-from engine.tiny.model import build_tiny_checkpoint
-from engine.train import fsdp
-from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from trellis.engine.storage.checkpoints import CheckpointError
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.train import fsdp
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from helpers import moto_s3_server
 
 BUCKET = "sharded"
 # What the ranks import, imported once by the forkserver (it cannot import this module itself: the
 # forkserver of Python 3.11 ignores the sys.path that puts tests/ on it).
-PRELOAD = ["pytest", "s3fs", "transformers.models.auto.modeling_auto", "engine.tiny.model", "engine.train.sharded_checkpoint"]
+PRELOAD = ["pytest", "s3fs", "transformers.models.auto.modeling_auto", "trellis.engine.tiny.model", "trellis.engine.train.sharded_checkpoint"]
 
 
 # -- fixtures -----------------------------------------------------------------------------------------

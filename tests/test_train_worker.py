@@ -7,18 +7,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config.loading import load_config
-from engine.data.prompts import load_prompts
-from engine.train.logprob_head import batch_logprobs, output_head
-from engine.algo.losses import token_logprobs
-from engine.train.packing import to_packed, to_padded
-from engine.data.prepare import IGNORE, prepare_train_data
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.production.produce import rollout_groups, sampling_params
-from engine.rollout.rewards.runner import RewardRunner
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
-from engine.train.varlen_attention import use_varlen_attention
+from trellis.engine.config.loading import load_config
+from trellis.engine.data.prompts import load_prompts
+from trellis.engine.train.logprob_head import batch_logprobs, output_head
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.train.packing import to_packed, to_padded
+from trellis.engine.data.prepare import IGNORE, prepare_train_data
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
+from trellis.engine.train.varlen_attention import use_varlen_attention
 from teacher_forcing import teacher_forced_gaps
 
 

@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ray = pytest.importorskip("ray")
 
-from engine.cluster.placement import GpuPlacementError
-from engine.cluster.workers import RunWorkers
-from engine.storage.checkpoints import require_complete
-from engine.train.worker import TrainingWorker
-from flows.rl_train import rl_train
+from trellis.engine.cluster.placement import GpuPlacementError
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.train.worker import TrainingWorker
+from trellis.flows.rl_train import rl_train
 from helpers import logged_metrics, tiny_config
 from two_nodes import alive_nodes, second_node
 

@@ -22,8 +22,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import token_logprobs
-from engine.data.prepare import IGNORE
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.data.prepare import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 TRELLIS = str(Path(sys.executable).with_name("trellis"))

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from engine.config import TrellisConfig
-from engine.errors import SettingError
+from trellis.engine.config import TrellisConfig
+from trellis.engine.errors import SettingError
 
 
 class ConfigError(SettingError):

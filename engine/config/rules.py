@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config.backends import backend_traits
+from trellis.engine.config.backends import backend_traits
 
 if TYPE_CHECKING:
-    from engine.config.trellis import TrellisConfig
+    from trellis.engine.config.trellis import TrellisConfig
 
 
 def interval_problems(config: TrellisConfig) -> list[str]:

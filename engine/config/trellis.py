@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.base import Frozen, Location, StorageOptions
-from engine.config.cluster import ClusterConfig
-from engine.config.rules import RULES
-from engine.config.sections import (
+from trellis.engine.config.base import Frozen, Location, StorageOptions
+from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.rules import RULES
+from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
     DatasetConfig,

@@ -15,8 +15,8 @@ import fsspec
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import TrellisConfig
-from engine.storage.checkpoints import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
     exists,
@@ -24,8 +24,8 @@ from engine.storage.checkpoints import (
     read_full_weights,
     require_complete,
 )
-from engine.storage.lineage import checkpoint_step
-from engine.train.sharded_checkpoint import is_sharded, load_sharded
+from trellis.engine.storage.lineage import checkpoint_step
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import TrellisConfig
-from engine.devices import set_up_process
-from engine.rollout.backends.registry import build_rollout_backend
-from engine.rollout.production.controller import Controller
-from engine.run.checkpoint_source import PolicySource, policy_weights, resolve_source
-from engine.storage.lineage import record_evaluation
+from trellis.engine.config import TrellisConfig
+from trellis.engine.devices import set_up_process
+from trellis.engine.rollout.backends.registry import build_rollout_backend
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.run.checkpoint_source import PolicySource, policy_weights, resolve_source
+from trellis.engine.storage.lineage import record_evaluation
 
 SPLIT = "checkpoint_eval"
 

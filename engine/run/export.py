@@ -7,10 +7,10 @@ import json
 
 from transformers import AutoTokenizer
 
-from engine.config import TrellisConfig
-from engine.run.checkpoint_source import PolicySource, load_policy, resolve_source
-from engine.storage.checkpoints import staging_folder
-from engine.storage.lineage import record_export
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.checkpoint_source import PolicySource, load_policy, resolve_source
+from trellis.engine.storage.checkpoints import staging_folder
+from trellis.engine.storage.lineage import record_export
 
 
 def default_export_uri(config: TrellisConfig, source: PolicySource) -> str:

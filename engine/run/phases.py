@@ -17,19 +17,19 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
-from engine.config import TrellisConfig
-from engine.faults import fault_point
-from engine.rollout.production.controller import Controller
-from engine.rollout.production.produce import ProduceResult, produce_summary
-from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
-from engine.run.plan import Role, RunPlan
-from engine.run.results import BatchHandle, Evaluation, Logged, Prepared
-from engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
-from engine.run.run_log import record_step
-from engine.run.workers import Call, Workers, each
-from engine.storage.checkpoints import step_name
-from engine.train.worker import TrainingWorker
-from engine.weights.fingerprint import fingerprint, largest_difference
+from trellis.engine.config import TrellisConfig
+from trellis.engine.faults import fault_point
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.rollout.production.produce import ProduceResult, produce_summary
+from trellis.engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
+from trellis.engine.run.plan import Role, RunPlan
+from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Prepared
+from trellis.engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
+from trellis.engine.run.run_log import record_step
+from trellis.engine.run.workers import Call, Workers, each
+from trellis.engine.storage.checkpoints import step_name
+from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.weights.fingerprint import fingerprint, largest_difference
 
 _POLL_S = 2.0  # how long one ask of the replay buffer holds the controller
 

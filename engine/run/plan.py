@@ -10,11 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.config import ResourcesConfig, TrellisConfig
-from engine.run.metrics import RunCounters, RunDevices, SideDevices
-from engine.run.resume import StartPlan
-from engine.storage.checkpoints import write_json
-from engine.storage.lake import LakeError, stored_steps
+from trellis.engine.config import ResourcesConfig, TrellisConfig
+from trellis.engine.run.metrics import RunCounters, RunDevices, SideDevices
+from trellis.engine.run.resume import StartPlan
+from trellis.engine.storage.checkpoints import write_json
+from trellis.engine.storage.lake import LakeError, stored_steps
 
 Role = Literal["controller", "trainer", "rollout"]
 ROLES: tuple[Role, ...] = ("controller", "trainer", "rollout")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import fsspec
 
-from engine.config import DatasetConfig, TrellisConfig
-from engine.errors import SettingError
-from engine.rollout.rewards.runner import resolve_function
-from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
-from engine.user_code import UserCodeError, load_attribute, load_function
+from trellis.engine.config import DatasetConfig, TrellisConfig
+from trellis.engine.errors import SettingError
+from trellis.engine.rollout.rewards.runner import resolve_function
+from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
+from trellis.engine.user_code import UserCodeError, load_attribute, load_function
 
 
 class InputError(SettingError):

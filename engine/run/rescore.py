@@ -16,10 +16,10 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.config import RewardConfig
-from engine.data.samples import Status
-from engine.rollout.rewards.runner import RewardRunner
-from engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
+from trellis.engine.config import RewardConfig
+from trellis.engine.data.samples import Status
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
 
 CORRECT_ABOVE = 0.5
 

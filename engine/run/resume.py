@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters
-from engine.storage.lineage import record_checkpoint_lineage
-from engine.storage.checkpoints import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.storage.lineage import record_checkpoint_lineage
+from trellis.engine.storage.checkpoints import (
     TRAIN_STATE,
     CheckpointError,
     SaveStore,

@@ -20,9 +20,9 @@ from typing import Any, Mapping
 
 import fsspec
 
-from engine.errors import describe_failure
-from engine.secrets import redact
-from engine.storage.checkpoints import SaveStore, is_local
+from trellis.engine.errors import describe_failure
+from trellis.engine.secrets import redact
+from trellis.engine.storage.checkpoints import SaveStore, is_local
 
 FILE_NAME = "run.log"
 CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")

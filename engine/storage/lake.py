@@ -17,7 +17,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.samples import RolloutSample, Status
+from trellis.engine.data.samples import RolloutSample, Status
 
 SCHEMA = pa.schema(
     [

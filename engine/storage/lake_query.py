@@ -20,9 +20,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from engine.storage.checkpoints import SaveStore
-from engine.storage.lake import stored_steps
-from engine.storage.runs import RunNotFoundError, RunRef, run_folders
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.lake import stored_steps
+from trellis.engine.storage.runs import RunNotFoundError, RunRef, run_folders
 
 
 @dataclass(frozen=True)

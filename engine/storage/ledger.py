@@ -33,8 +33,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.samples import RolloutSample
-from engine.storage.lake import write_part, write_table
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.storage.lake import write_part, write_table
 
 ENDING = ("trained", "failed", "filtered", "invalid", "given_up")
 STATUSES = (*ENDING, "expired")

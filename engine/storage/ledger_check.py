@@ -15,7 +15,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from engine.storage.ledger import ENDING, STATUSES, ledger_root
+from trellis.engine.storage.ledger import ENDING, STATUSES, ledger_root
 
 Prompt = tuple[str, int, int]  # (sampler, epoch, prompt_index)
 

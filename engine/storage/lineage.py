@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 import fsspec
 
-from engine.storage.checkpoints import (
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
     exists,
@@ -228,7 +228,7 @@ def trace_sample(run_uri: str, rollout_id: str, storage_options: Mapping[str, An
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from engine.storage.lake import LakeError
+    from trellis.engine.storage.lake import LakeError
 
     fs, path = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories", **dict(storage_options or {}))
     if not fs.exists(path):

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from engine.config import TrellisConfig
+from trellis.engine.config import TrellisConfig
 
 
 class Tracker(Protocol):

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from engine.storage.checkpoints import CheckpointError
+from trellis.engine.storage.checkpoints import CheckpointError
 
 MODEL = "model"
 OPTIM = "optim"

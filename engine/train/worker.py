@@ -16,19 +16,19 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import (
+from trellis.engine.algo.losses import (
     aggregate,
     mismatch_sums,
     policy_objective,
     rollout_is_weights,
 )
-from engine.compat import enable_activation_checkpointing
-from engine.config import TrainWorkerConfig, TrellisConfig
-from engine.data.prepare import PreparedBatch, TrainSequence
-from engine.devices import resolve_device
-from engine.errors import SettingError
-from engine.rng import capture_rng, restore_rng
-from engine.storage.checkpoints import (
+from trellis.engine.compat import enable_activation_checkpointing
+from trellis.engine.config import TrainWorkerConfig, TrellisConfig
+from trellis.engine.data.prepare import PreparedBatch, TrainSequence
+from trellis.engine.devices import resolve_device
+from trellis.engine.errors import SettingError
+from trellis.engine.rng import capture_rng, restore_rng
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
     exists,
     load_object,
@@ -37,20 +37,20 @@ from engine.storage.checkpoints import (
     staging_folder,
     untied_state_dict,
 )
-from engine.train import fsdp
-from engine.train.compile import compile_decoder
-from engine.train.logprob_head import Policy, output_head
-from engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
-from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
-from engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
-from engine.train.tally import (
+from trellis.engine.train import fsdp
+from trellis.engine.train.compile import compile_decoder
+from trellis.engine.train.logprob_head import Policy, output_head
+from trellis.engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from trellis.engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
+from trellis.engine.train.tally import (
     Tally,
     average,
     lr_factor,
     mini_batch_metrics,
     split_evenly,
 )
-from engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
+from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
 
 logger = logging.getLogger(__name__)
 

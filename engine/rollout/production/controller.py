@@ -17,25 +17,25 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from engine.algo.eval_metrics import evaluation_metrics
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import TrellisConfig
-from engine.data.prepare import PreparedBatch, prepare_train_data
-from engine.data.samples import RolloutSample
-from engine.rng import capture_rng, restore_rng
-from engine.rollout.backends.base import RolloutBackend
-from engine.rollout.production.dynamic_sampling import fill_batch
-from engine.rollout.production.produce import (
+from trellis.engine.algo.eval_metrics import evaluation_metrics
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prepare import PreparedBatch, prepare_train_data
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rng import capture_rng, restore_rng
+from trellis.engine.rollout.backends.base import RolloutBackend
+from trellis.engine.rollout.production.dynamic_sampling import fill_batch
+from trellis.engine.rollout.production.produce import (
     ProduceResult,
     rollout_groups,
     sampling_params,
     step_seed,
 )
-from engine.rollout.production.producer import Producer
-from engine.rollout.production.prompt_ledger import PromptLedger
-from engine.rollout.production.task_mix import rollout_inputs
-from engine.storage.checkpoints import load_object, save_object
-from engine.storage.lake import (
+from trellis.engine.rollout.production.producer import Producer
+from trellis.engine.rollout.production.prompt_ledger import PromptLedger
+from trellis.engine.rollout.production.task_mix import rollout_inputs
+from trellis.engine.storage.checkpoints import load_object, save_object
+from trellis.engine.storage.lake import (
     SCHEMA,
     RowLineage,
     produced_uri,
@@ -45,8 +45,8 @@ from engine.storage.lake import (
     write_part,
     write_samples,
 )
-from engine.storage.ledger import LedgerEntries
-from engine.storage.lineage import policy_checkpoints, record_step
+from trellis.engine.storage.ledger import LedgerEntries
+from trellis.engine.storage.lineage import policy_checkpoints, record_step
 
 _KEPT_SNAPSHOTS = 4
 _KEPT_BATCHES = 2

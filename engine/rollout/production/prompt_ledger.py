@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from engine.config import TrellisConfig
-from engine.data.prepare import group_outcome
-from engine.data.prompts import PromptRecord
-from engine.data.sampler import PromptSampler
-from engine.data.samples import RolloutSample
-from engine.storage.ledger import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prepare import group_outcome
+from trellis.engine.data.prompts import PromptRecord
+from trellis.engine.data.sampler import PromptSampler
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.storage.ledger import (
     SINGLE_TASK,
     Drawn,
     LedgerEntries,
