@@ -35,7 +35,7 @@ def build_worker(root: Path, hidden: int, layers: int) -> TrainingWorker:
     Qwen2ForCausalLM(config).save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(tiny).save_pretrained(root / "model")
     trellis = TrellisConfig(
-        load_from=str(root / "model"), train_dataset={"path": "unused"}, total_train_steps=1,
+        load_from=str(root / "model"), train_dataset={"path": "unused"}, total_train_steps=1, reward={"function": "trellis.engine.tiny.reverse_task:score"},
         train_worker={"device": "cpu"},
     )
     worker = TrainingWorker(trellis, total_train_steps=1, pad_token_id=0)

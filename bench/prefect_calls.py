@@ -142,6 +142,7 @@ def measure(root: Path, steps: int, overlap: bool) -> dict:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             config = load_config(  # trellis_flow_step.py's config
                 None, load_from=str(root / "tiny"), train_dataset={"path": str(root / "train.parquet")},
+                reward={"function": "trellis.engine.tiny.reverse_task:score"},
                 total_train_steps=flow_bench.WARMUP_STEPS, train_batch_size=16, prompt_repeat_k=8,
                 rollout={"temperature": 1.0, "max_new_tokens": 8}, optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp,
                 experiment_name="bench", exp_tracker="jsonl", cluster=dict(address=address, release_workers_at_end=False, overlap_next_rollout=overlap or None),

@@ -26,6 +26,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
             None,
             load_from=model_dir,
             train_dataset={"path": train_path},
+            reward={"function": "trellis.engine.tiny.reverse_task:score"},
             total_train_steps=steps,
             train_batch_size=16,
             prompt_repeat_k=8,

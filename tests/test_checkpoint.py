@@ -195,7 +195,7 @@ def test_the_start_plan_rules(tmp_path):
     from trellis.engine.config import TrellisConfig
 
     def config(**changes):
-        return TrellisConfig(load_from="m", train_dataset={"path": "d"}, total_train_steps=9, work_dir=str(tmp_path),
+        return TrellisConfig(load_from="m", train_dataset={"path": "d"}, reward={"function": "r:score"}, total_train_steps=9, work_dir=str(tmp_path),
                              experiment_name="plan", **changes)
 
     assert plan_start(config(), resume=False).action == "fresh"

@@ -29,7 +29,8 @@ def test_unknown_key_and_negative_interval_are_reported_without_traceback(tmp_pa
 
 def test_missing_model_path_is_reported_before_anything_starts(tmp_path, reverse_data):
     config = tmp_path / "run.yaml"
-    config.write_text(f"load_from: {tmp_path}/no-model\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 3\n")
+    config.write_text(f"load_from: {tmp_path}/no-model\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 3\n"
+                      "reward: {function: 'trellis.engine.tiny.reverse_task:score'}\n")
     result = trellis("train", str(config))
     assert result.returncode == 2
     assert f"load_from: {tmp_path}/no-model does not exist" in result.stderr

@@ -72,6 +72,7 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
             None,
             load_from=str(tiny_model),
             train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+            reward={"function": "trellis.engine.tiny.reverse_task:score"},
             total_train_steps=3,
             train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
         )

@@ -7,7 +7,8 @@ from trellis.engine.config.loading import load_config
 
 
 def _config(**changes):
-    return load_config(None, load_from="m", train_dataset={"path": "d.parquet"}, total_train_steps=1, **changes)
+    return load_config(None, load_from="m", train_dataset={"path": "d.parquet"}, reward={"function": "r:score"}, total_train_steps=1,
+                       **changes)
 
 
 def test_cpu_cluster_asks_for_no_gpu():

@@ -26,6 +26,7 @@ ROLLOUT = Path(__file__).resolve().parents[1] / "engine" / "rollout" / "backends
 BACKEND_CLASSES = {"transformers": (ROLLOUT / "transformers_backend.py", "TransformersRollout"),
                    "vllm": (ROLLOUT / "vllm_backend.py", "VllmRollout")}
 ON_CPU = {"train_worker": {"device": "cpu"}, "load_from": "my-model", "train_dataset": {"path": "prompts.parquet"},
+          "reward": {"function": "myreward:score"},
           "total_train_steps": 1}
 
 

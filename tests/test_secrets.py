@@ -64,7 +64,7 @@ def test_log_records_are_scrubbed_whoever_logs_them(monkeypatch, caplog):
 
 def test_a_config_never_serializes_its_storage_credentials():
     options = {"key": "AKIA-EXAMPLE-1234", "secret": "s3cr3t-example-5678", "endpoint_url": "http://127.0.0.1:9000"}
-    config = TrellisConfig(load_from="m", train_dataset={"path": "d", "storage_options": options},
+    config = TrellisConfig(load_from="m", train_dataset={"path": "d", "storage_options": options}, reward={"function": "r:score"},
                            total_train_steps=1, storage_options=options)
     assert config.storage_options["secret"] == "s3cr3t-example-5678"  # the run itself uses the real value
     dumped = config.model_dump_json()

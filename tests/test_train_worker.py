@@ -27,6 +27,7 @@ def _config(tiny_model, reverse_data, **changes):
         None,
         load_from=str(tiny_model),
         train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=4,
         train_batch_size=8,
         **changes,

@@ -143,6 +143,7 @@ def run_config(work: Path, args: argparse.Namespace):
     settings = dict(
         load_from=str(model),
         train_dataset={"path": str(data), "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         work_dir=str(work / "runs"),
         experiment_name=f"{args.mode}-round{args.round}-{int(time.time())}",
         total_train_steps=args.steps,

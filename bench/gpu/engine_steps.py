@@ -66,6 +66,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,

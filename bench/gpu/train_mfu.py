@@ -206,6 +206,7 @@ def main() -> None:
         None,
         load_from=str(model_dir),
         train_dataset={"path": str(write_dataset(work / "train.parquet", 64, seed=0))},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=100,
         train_worker={"pack_max_length": PACK},
         loss={"rollout_is": {"level": "none"}},

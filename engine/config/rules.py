@@ -72,6 +72,23 @@ def mode_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
+NAME_A_REWARD = "name the function that scores a sample, e.g. myreward:score (built in: trellis.engine.rollout.rewards:exact_match)"
+NO_REWARD = f"reward.function: required, but not set; {NAME_A_REWARD}"
+
+
+def reward_problems(config: TrellisConfig) -> list[str]:
+    """Every sample is scored by a function the config names: trellis has no default task to score for."""
+    if not config.tasks:
+        return [] if config.reward.function else [NO_REWARD]
+    problems = []
+    for task in config.tasks:
+        if task.reward is not None and not task.reward.function:
+            problems.append(f"tasks[{task.name}].reward.function: required, but not set; {NAME_A_REWARD}")
+        elif task.reward is None and not config.reward.function:
+            problems.append(f"tasks[{task.name}] has no reward and reward.function is not set; {NAME_A_REWARD}")
+    return problems
+
+
 def task_problems(config: TrellisConfig) -> list[str]:
     if not config.tasks:
         return [] if config.train_dataset is not None else ["train_dataset: required, but not set (or tasks, for a multi-task run)"]
@@ -191,4 +208,4 @@ def resource_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
-RULES = (task_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)
+RULES = (task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)

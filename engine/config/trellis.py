@@ -155,7 +155,9 @@ class TrellisConfig(Frozen):
 
     @property
     def rewards(self) -> list[RewardConfig]:
-        return [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
+        """The reward configs the run scores with (the run's own is unused where every task names one)."""
+        found = [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
+        return [reward for reward in found if reward.function is not None]
 
     @property
     def disaggregated(self) -> bool:
