@@ -187,6 +187,7 @@ def fork_source(cfg, fork: str) -> str:
     """The complete checkpoint ``RUN@STEP`` names, checked; a clear error for anything else."""
     from trellis.engine.storage.checkpoints import CheckpointError, SaveStore, require_complete
     from trellis.engine.storage.runs import locate_run, split_run_step
+    from trellis.engine.storage.store import Store
 
     try:
         run, step = split_run_step(fork)
@@ -197,10 +198,10 @@ def fork_source(cfg, fork: str) -> str:
     source = locate_run(run, work_dir=cfg.work_dir, storage_options=cfg.storage_options)
     if source.uri.rstrip("/") == cfg.run_uri.rstrip("/"):
         raise CheckpointError(f"--fork {fork}: that is this experiment's own run; use --resume, or pick another experiment_name.")
-    if SaveStore(cfg.checkpoint_uri, cfg.storage_options).latest() is not None:
+    if SaveStore(Store(cfg.checkpoint_uri, cfg.storage_options)).latest() is not None:
         raise CheckpointError(f"--fork: {cfg.run_uri} already holds checkpoints; a fork starts a new experiment_name.")
     uri = f"{source.uri}/checkpoints/step-{step:06d}"
-    require_complete(uri, cfg.storage_options)
+    require_complete(Store(uri, cfg.storage_options))
     return uri
 
 

@@ -31,6 +31,7 @@ from trellis.engine.run.run_log import (
 )
 from trellis.engine.secrets import install_log_redaction, write_runtime_environment
 from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.ledger import forget_after
 from trellis.engine.storage.lineage import record_run_origin
 from trellis.tasks.artifacts import artifact_key, storage_link
@@ -58,7 +59,7 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     resume = resume or (flow_run.get_run_count() > 1 and started_by(config, attempt))
     start = plan_start(config, resume=resume, applied_step=facts.applied_step, workers_used=facts.holds_state)
     RunWorkers(config).restore(start)
-    state = require_complete(start.checkpoint, config.storage_options) if start.checkpoint is not None else None
+    state = require_complete(Store(start.checkpoint, config.storage_options)) if start.checkpoint is not None else None
     plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
     RayWorkers(config).open_trackers(plan.first_step)
     record_run_plan(config, plan)

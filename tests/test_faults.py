@@ -20,6 +20,7 @@ from prefect.client.schemas.filters import TaskRunFilter
 
 from trellis.engine.cluster.workers import RunWorkers
 from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
 from trellis.flows.rl_train import rl_train
 from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
 
@@ -64,7 +65,7 @@ def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajecto
 
     interrupted = logged_metrics(config)
     assert max(interrupted) < STEPS, "the run was not interrupted"
-    latest = SaveStore(config.checkpoint_uri).latest()
+    latest = SaveStore(Store(config.checkpoint_uri)).latest()
     assert latest is not None and latest[0] < STEPS
     trainer = ray.get_actor("killed-trainer", namespace=config.ray_namespace)  # detached workers survive
     trainer_pid = ray.get(trainer.pid.remote())

@@ -10,6 +10,7 @@ import pytest
 from trellis.engine.config.loading import ConfigError, load_config
 from trellis.engine.run.local import LocalRun
 from trellis.engine.storage.checkpoints import load_object
+from trellis.engine.storage.store import Store
 from trellis.engine.tiny import reverse_task
 from helpers import lake_rows, logged_metrics
 
@@ -145,7 +146,7 @@ def test_the_asynchronous_trainer_mixes_tasks_too(lookup, reverse_prompts, tmp_p
     assert all(json.loads(row["agent"])["loop"] == "tool" for row in rows if row["task_name"] == "lookup")
     assert all(row["agent"] is None for row in rows if row["task_name"] == "reverse")
 
-    sampler = load_object(f"{config.run_uri}/checkpoints/step-000003/controller.pt")["sampler"]
+    sampler = load_object(Store(f"{config.run_uri}/checkpoints/step-000003/controller.pt"))["sampler"]
     drawn = {task: sampler["tasks"][task]["consumed"] for task in ("lookup", "reverse")}
     assert drawn["lookup"] + drawn["reverse"] >= 3 * 48
     assert_drawn_by_weight(drawn["lookup"], drawn["lookup"] + drawn["reverse"])

@@ -22,6 +22,7 @@ from trellis.engine.rollout.production.produce import rollout_groups, sampling_p
 from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
 from trellis.engine.train.packing import split_by_tokens
 from trellis.engine.train.sharded_checkpoint import is_sharded
 from trellis.engine.train.worker import TrainingWorker
@@ -135,7 +136,7 @@ def test_two_ranks_and_two_rollout_workers_learn_the_bundled_task(tiny_model, re
     rl_train(config)
     metrics = logged_metrics(config)
     assert 0.3 <= metrics[0]["eval/accuracy"] <= 0.5 and metrics[50]["eval/accuracy"] >= 0.75, (metrics[0], metrics[50])
-    assert SaveStore(config.checkpoint_uri).complete_steps() == [25, 50]
+    assert SaveStore(Store(config.checkpoint_uri)).complete_steps() == [25, 50]
     assert is_sharded(f"{config.checkpoint_uri}/step-000050", {})
 
 

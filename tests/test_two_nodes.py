@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from trellis.engine.cluster.placement import GpuPlacementError
 from trellis.engine.cluster.workers import RunWorkers
 from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
 from trellis.engine.train.worker import TrainingWorker
 from trellis.flows.rl_train import rl_train
 from helpers import logged_metrics, tiny_config
@@ -54,7 +55,7 @@ def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data
     assert sorted(metrics) == [1, 2, 3] and all(m["train/grad_norm"] > 0 for m in metrics.values())
 
     checkpoint = f"{config.run_uri}/checkpoints/step-000003"
-    assert require_complete(checkpoint)["step"] == 3
+    assert require_complete(Store(checkpoint))["step"] == 3
     for part in ("model", "optim"):  # one shard file per rank, one rank per node
         assert sorted(p.name for p in Path(checkpoint, part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert all(Path(checkpoint, name).is_file() for name in ("trainer.pt", "trainer-rank1.pt", "controller.pt"))

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from trellis.engine.config import TrellisConfig
 from trellis.engine.run.checkpoint_source import PolicySource, load_policy, resolve_source
 from trellis.engine.storage.checkpoints import staging_folder
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.lineage import record_export
 
 
@@ -23,7 +24,7 @@ def export_checkpoint(
     source = resolve_source(config, checkpoint)
     out = (out_uri or default_export_uri(config, source)).rstrip("/")
     model = load_policy(config, source)
-    with staging_folder(out, config.storage_options) as folder:
+    with staging_folder(Store(out, config.storage_options)) as folder:
         model.save_pretrained(folder, safe_serialization=True)
         AutoTokenizer.from_pretrained(config.tokenizer_source).save_pretrained(folder)
         with open(f"{folder}/lineage.json", "w") as handle:

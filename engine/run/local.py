@@ -37,6 +37,7 @@ from trellis.engine.run.step import run_step
 from trellis.engine.run.workers import LocalWorkers
 from trellis.engine.secrets import write_runtime_environment
 from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.ledger import forget_after
 from trellis.engine.storage.lineage import record_run_origin
 from trellis.engine.storage.trackers import Trackers
@@ -113,7 +114,7 @@ class LocalRun:
 
     def _restore(self, uri: str) -> dict[str, float | int]:
         load = self.config.load_checkpoint_cfg
-        state = require_complete(uri, self.config.storage_options)
+        state = require_complete(Store(uri, self.config.storage_options))
         if self.worker is not None:
             self.worker.load_checkpoint(uri, self.config.storage_options, load_optimizer=load.load_optimizer_states)
             if self.backend is not None:

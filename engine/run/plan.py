@@ -14,6 +14,7 @@ from trellis.engine.config import ResourcesConfig, TrellisConfig
 from trellis.engine.run.metrics import RunCounters, RunDevices, SideDevices
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.storage.checkpoints import write_json
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import LakeError, stored_steps
 
 Role = Literal["controller", "trainer", "rollout"]
@@ -189,5 +190,5 @@ def record_run_plan(config: TrellisConfig, plan: RunPlan) -> str:
     """Write the plan beside the run's logs (``logs/run_plan.json``): what the run resolved at its start,
     for people and for the CLI's progress bar."""
     uri = run_plan_uri(config)
-    write_json(plan.model_dump(mode="json"), uri, config.storage_options)
+    write_json(plan.model_dump(mode="json"), Store(uri, config.storage_options))
     return uri

@@ -23,6 +23,7 @@ import fsspec
 from trellis.engine.errors import describe_failure
 from trellis.engine.secrets import redact
 from trellis.engine.storage.checkpoints import SaveStore, is_local
+from trellis.engine.storage.store import Store
 
 FILE_NAME = "run.log"
 CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")
@@ -203,7 +204,7 @@ def record_failure(config, error: BaseException, *, during: str, next_move: str)
 def after_failure(config, *, started: bool, attempt: int, retries: int, setting: bool) -> str:
     """What follows a failed attempt of the run: a retry (the retry of an attempt that got past its
     start resumes from the latest complete checkpoint, ``engine.run.resume``) or the end of the run."""
-    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    latest = SaveStore(Store(config.checkpoint_uri, config.storage_options)).latest()
     checkpoint = f"the step-{latest[0]} checkpoint" if latest else None
     if setting:
         return "the run ends: change that setting (a setting error is not retried)"

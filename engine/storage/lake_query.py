@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import stored_steps
 from trellis.engine.storage.runs import RunNotFoundError, RunRef, run_folders
 
@@ -85,8 +86,8 @@ def run_summary(ref: RunRef) -> RunSummary:
         last_reward=metrics[trained[-1]]["response/rewards/mean"] if trained else None,
         last_eval_accuracy=metrics[evaluated[-1]]["eval/accuracy"] if evaluated else None,
         last_eval_step=evaluated[-1] if evaluated else None,
-        checkpoint_steps=tuple(SaveStore(f"{ref.uri}/checkpoints", ref.storage_options).complete_steps()),
-        hf_steps=tuple(SaveStore(f"{ref.uri}/hf", ref.storage_options).complete_steps()),
+        checkpoint_steps=tuple(SaveStore(Store(f"{ref.uri}/checkpoints", ref.storage_options)).complete_steps()),
+        hf_steps=tuple(SaveStore(Store(f"{ref.uri}/hf", ref.storage_options)).complete_steps()),
     )
 
 

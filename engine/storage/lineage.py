@@ -26,10 +26,10 @@ import fsspec
 from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
-    exists,
     read_json,
     write_json,
 )
+from trellis.engine.storage.store import Store
 
 _STEP_IN_NAME = re.compile(r"step-(\d+)/?$")
 _PARTITION = re.compile(r"split=([^/]+)/step=(\d+)/")
@@ -53,7 +53,7 @@ def checkpoint_step(uri: str) -> int | None:
 
 def _read_or_none(uri: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
     try:
-        return read_json(uri, storage_options)
+        return read_json(Store(uri, storage_options))
     except CheckpointError:
         return None
 
@@ -78,14 +78,13 @@ def record_run_origin(config, start) -> None:
         return
     write_json(
         {"run": config.run_uri, "experiment_name": config.experiment_name, "origin": run_origin(config), "at": time.time()},
-        f"{lineage_root(config.run_uri)}/run.json",
-        config.storage_options,
+        Store(f"{lineage_root(config.run_uri)}/run.json", config.storage_options),
     )
 
 
 def policy_checkpoints(config, versions: Iterable[int]) -> dict[int, str | None]:
     """The checkpoint (or model) each policy version was saved as; None for one that never was."""
-    store = SaveStore(config.checkpoint_uri, config.storage_options)
+    store = SaveStore(Store(config.checkpoint_uri, config.storage_options))
     origin = run_origin(config)
     found: dict[int, str | None] = {}
     for version in sorted(set(versions)):
@@ -111,13 +110,13 @@ def record_step(
         "checkpoints": {str(v): c for v, c in sorted(checkpoints.items())},
         "at": time.time(),
     }
-    write_json(record, uri, config.storage_options)
+    write_json(record, Store(uri, config.storage_options))
     return uri
 
 
 def checkpoint_lineage(config, step: int) -> dict[str, Any]:
     """What the checkpoint of ``step`` continued and trained on: written into it before it is sealed."""
-    store = SaveStore(config.checkpoint_uri, config.storage_options)
+    store = SaveStore(Store(config.checkpoint_uri, config.storage_options))
     earlier = [s for s in store.complete_steps() if s < step]
     if earlier:
         parent = {"kind": "checkpoint", "uri": store.uri(earlier[-1]), "step": earlier[-1], "run": config.run_uri}
@@ -142,7 +141,7 @@ def checkpoint_lineage(config, step: int) -> dict[str, Any]:
 
 def record_checkpoint_lineage(config, step: int) -> None:
     lineage = checkpoint_lineage(config, step)
-    write_json(lineage, f"{lineage['checkpoint']}/{LINEAGE_FILE}", config.storage_options)
+    write_json(lineage, Store(f"{lineage['checkpoint']}/{LINEAGE_FILE}", config.storage_options))
 
 
 def record_evaluation(
@@ -152,7 +151,7 @@ def record_evaluation(
     uri = f"{lineage_root(run_uri)}/evaluations/step={step:06d}.json"
     record = {"step": step, "checkpoint": checkpoint, "flow_run_id": flow_run_id, "partition": partition,
               "metrics": dict(metrics), "at": time.time()}
-    write_json(record, uri, storage_options)
+    write_json(record, Store(uri, storage_options))
     return uri
 
 
@@ -163,7 +162,7 @@ def record_export(
     previous = _read_or_none(uri, storage_options) or {"exports": []}
     exports = [e for e in previous["exports"] if e["uri"] != export_uri]
     exports.append({"uri": export_uri, "checkpoint": checkpoint, "flow_run_id": flow_run_id, "at": time.time()})
-    write_json({"step": step, "exports": exports}, uri, storage_options)
+    write_json({"step": step, "exports": exports}, Store(uri, storage_options))
     return uri
 
 
@@ -183,11 +182,11 @@ class Link:
 def lineage_chain(run_uri: str, step: int, storage_options: Mapping[str, Any] | None = None) -> list[Link]:
     """evaluation ← export ← checkpoint ← trajectories ← flow runs ← origin, for the checkpoint of ``step``."""
     options = dict(storage_options or {})
-    store = SaveStore(f"{run_uri.rstrip('/')}/checkpoints", options)
+    store = SaveStore(Store(f"{run_uri.rstrip('/')}/checkpoints", options))
     checkpoint = store.uri(step)
     if not store.is_complete(step):
         complete = store.complete_steps()
-        state = "is incomplete" if exists(checkpoint, options) else "does not exist"
+        state = "is incomplete" if Store(checkpoint, options).exists() else "does not exist"
         raise CheckpointError(
             f"The checkpoint of step {step} {state} ({checkpoint}). Complete checkpoints of this run: "
             f"{', '.join(map(str, complete)) or 'none'}."
@@ -200,7 +199,7 @@ def lineage_chain(run_uri: str, step: int, storage_options: Mapping[str, Any] | 
     exports = _read_or_none(f"{lineage_root(run_uri)}/exports/step={step:06d}.json", options)
     for export in (exports or {}).get("exports", []):
         chain.append(Link("export", "HF folder", export["uri"], [export["flow_run_id"]] if export["flow_run_id"] else []))
-    trained_export = SaveStore(f"{run_uri.rstrip('/')}/hf", options)
+    trained_export = SaveStore(Store(f"{run_uri.rstrip('/')}/hf", options))
     if trained_export.is_complete(step):
         chain.append(Link("export", "HF folder written by the run", trained_export.uri(step)))
     lineage = _read_or_none(f"{checkpoint}/{LINEAGE_FILE}", options)

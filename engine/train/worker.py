@@ -30,13 +30,13 @@ from trellis.engine.errors import SettingError
 from trellis.engine.rng import capture_rng, restore_rng
 from trellis.engine.storage.checkpoints import (
     CheckpointError,
-    exists,
     load_object,
     read_full_weights,
     save_object,
     staging_folder,
     untied_state_dict,
 )
+from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp
 from trellis.engine.train.compile import compile_decoder
 from trellis.engine.train.logprob_head import Policy, output_head
@@ -290,10 +290,10 @@ class TrainingWorker:
         if self._world > 1:
             save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
-            save_object(state, f"{uri.rstrip('/')}/{name}", storage_options)
+            save_object(state, Store(uri, storage_options).join(name))
             return
         tensors, aliases = untied_state_dict(self.export_weights())
-        with staging_folder(uri, storage_options) as folder:
+        with staging_folder(Store(uri, storage_options)) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
                 torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
@@ -302,29 +302,30 @@ class TrainingWorker:
     def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
         uri = uri.rstrip("/")
+        checkpoint = Store(uri, storage_options)
         if is_sharded(uri, storage_options):
-            if load_optimizer and not exists(f"{uri}/optim", storage_options):
+            if load_optimizer and not checkpoint.join("optim").exists():
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
             load_sharded(uri, storage_options, self.model, self.optimizer if load_optimizer else None)
         else:
             self._load_full_weights(uri, storage_options)
             if load_optimizer:
-                if not exists(f"{uri}/optimizer.pt", storage_options):
+                if not checkpoint.join("optimizer.pt").exists():
                     raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
-                fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
+                fsdp.load_optimizer_state(self.model, self.optimizer, load_object(checkpoint.join("optimizer.pt")))
         if not load_optimizer:
             self.optimizer.state.clear()
-        state = load_object(f"{uri}/trainer.pt", storage_options)
+        state = load_object(checkpoint.join("trainer.pt"))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
-        rank_state = f"{uri}/trainer-rank{self._rank}.pt"  # absent when the checkpoint had fewer ranks
-        restore_rng((load_object(rank_state, storage_options) if self._rank and exists(rank_state, storage_options) else state)["rng"])
+        rank_state = checkpoint.join(f"trainer-rank{self._rank}.pt")  # absent when the checkpoint had fewer ranks
+        restore_rng((load_object(rank_state) if self._rank and rank_state.exists() else state)["rng"])
         self.applied_step = int(state["applied_step"])
         return self.applied_step
 
     def _load_full_weights(self, uri: str, storage_options: Mapping[str, Any]) -> None:
-        tensors, aliases = read_full_weights(uri, storage_options, device=str(self._device))
+        tensors, aliases = read_full_weights(Store(uri, storage_options), device=str(self._device))
         missing, unexpected = fsdp.load_model_state(self.model, tensors)
         if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
             raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
@@ -334,7 +335,7 @@ class TrainingWorker:
         weights = self.export_weights()  # every rank takes part in gathering the full tensors
         if self._rank != 0:
             return
-        with staging_folder(uri, storage_options) as folder:
+        with staging_folder(Store(uri, storage_options)) as folder:
             self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 

@@ -35,6 +35,7 @@ from trellis.engine.rollout.production.producer import Producer
 from trellis.engine.rollout.production.prompt_ledger import PromptLedger
 from trellis.engine.rollout.production.task_mix import rollout_inputs
 from trellis.engine.storage.checkpoints import load_object, save_object
+from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import (
     SCHEMA,
     RowLineage,
@@ -199,12 +200,12 @@ class Controller:
             self.producer.load_state_dict(state["producer"])
 
     def save_checkpoint(self, uri: str) -> None:
-        save_object(self.state_dict(), f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        save_object(self.state_dict(), Store(uri, self.config.storage_options).join("controller.pt"))
 
     def load_checkpoint(self, uri: str, *, load_dataset: bool = True) -> None:
         if self.producer is not None:  # a live controller of a failed attempt may still be producing
             self.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
-        state = load_object(f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        state = load_object(Store(uri, self.config.storage_options).join("controller.pt"))
         self.load_state_dict(state, load_dataset=load_dataset)
 
     def close(self) -> None:
