@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.store import Store
 from trellis.engine.tiny.model import build_tiny_checkpoint
 from trellis.engine.train.worker import TrainingWorker
 
@@ -69,7 +70,7 @@ def main() -> None:
             ours, peer = root / f"trellis-{round_index}", root / f"torch-{round_index}.pt"
 
             started = time.perf_counter()
-            worker.save_checkpoint(str(ours), {}, save_optimizer=True)
+            worker.save_checkpoint(Store(str(ours)), save_optimizer=True)
             times["trellis_save"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
@@ -77,7 +78,7 @@ def main() -> None:
             times["torch_save"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
-            worker.load_checkpoint(str(ours), {}, load_optimizer=True)
+            worker.load_checkpoint(Store(str(ours)), load_optimizer=True)
             times["trellis_load"].append(time.perf_counter() - started)
 
             started = time.perf_counter()

@@ -74,7 +74,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
                 uri = str(tmp_path / "ckpt")
                 workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri, {}) for rank in ranks])
                 one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
-                assert one_rank.load_checkpoint(uri, {}) == 1
+                assert one_rank.load_checkpoint(Store(uri)) == 1
             sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
             single = one_rank.fit(batch, step)
             assert all(result.metrics == sharded[0].metrics for result in sharded)  # every rank reports the whole step
@@ -137,7 +137,7 @@ def test_two_ranks_and_two_rollout_workers_learn_the_bundled_task(tiny_model, re
     metrics = logged_metrics(config)
     assert 0.3 <= metrics[0]["eval/accuracy"] <= 0.5 and metrics[50]["eval/accuracy"] >= 0.75, (metrics[0], metrics[50])
     assert SaveStore(Store(config.checkpoint_uri)).complete_steps() == [25, 50]
-    assert is_sharded(f"{config.checkpoint_uri}/step-000050", {})
+    assert is_sharded(Store(f"{config.checkpoint_uri}/step-000050"))
 
 
 @pytest.mark.parametrize(

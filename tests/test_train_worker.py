@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.engine.config.loading import load_config
+from trellis.engine.storage.store import Store
 from trellis.engine.data.prompts import load_prompts
 from trellis.engine.train.logprob_head import batch_logprobs, output_head
 from trellis.engine.algo.losses import token_logprobs
@@ -320,14 +321,14 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
     for name, tensor in plain.export_weights().items():
         assert torch.allclose(sharded_weights[name], tensor, atol=1e-6), name
 
-    sharded.save_checkpoint(str(tmp_path / "ckpt"), {}, save_optimizer=True)
+    sharded.save_checkpoint(Store(str(tmp_path / "ckpt")), save_optimizer=True)
     plain.fit(batch, 2)
     restored = TrainingWorker(plain._config, total_train_steps=4, pad_token_id=pad_id)
-    assert restored.load_checkpoint(str(tmp_path / "ckpt"), {}) == 1
+    assert restored.load_checkpoint(Store(str(tmp_path / "ckpt"))) == 1
     restored.fit(batch, 2)
     for name, tensor in plain.export_weights().items():
         assert torch.allclose(restored.export_weights()[name], tensor, atol=1e-5), name
 
-    sharded.export_hf(str(tmp_path / "hf"), {}, str(tiny_model))
+    sharded.export_hf(Store(str(tmp_path / "hf")), str(tiny_model))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(exported.model.embed_tokens.weight, sharded_weights["model.embed_tokens.weight"])

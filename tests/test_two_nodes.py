@@ -61,7 +61,7 @@ def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data
     assert all(Path(checkpoint, name).is_file() for name in ("trainer.pt", "trainer-rank1.pt", "controller.pt"))
     pad_id = AutoTokenizer.from_pretrained(tiny_model).pad_token_id
     loader = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path / "loader"), total_train_steps=3, pad_token_id=pad_id)
-    assert loader.load_checkpoint(checkpoint, {}) == 3
+    assert loader.load_checkpoint(Store(checkpoint)) == 3
     loaded = loader.export_weights()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert loaded.keys() == trained.keys()

@@ -27,6 +27,7 @@ from trellis.engine.rollout.backends.pool import RolloutPool
 from trellis.engine.run.identity import WorkerFingerprint
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.trackers import Trackers
+from trellis.engine.storage.store import Store
 from trellis.engine.train.fsdp import join_process_group
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.weights.broadcast import (
@@ -162,8 +163,8 @@ class TrainerActor(BuiltFrom):
     def applied_step(self) -> int:
         return self.worker.applied_step
 
-    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], load_optimizer: bool) -> int:
-        return self.worker.load_checkpoint(uri, storage_options, load_optimizer=load_optimizer)
+    def load_checkpoint(self, checkpoint: Store, load_optimizer: bool) -> int:
+        return self.worker.load_checkpoint(checkpoint, load_optimizer=load_optimizer)
 
     def offload(self) -> None:
         self.worker.offload()

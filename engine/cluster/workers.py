@@ -46,6 +46,7 @@ from trellis.engine.run.identity import WorkerFingerprint
 from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
+from trellis.engine.storage.store import Store
 
 logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
@@ -227,8 +228,8 @@ class RunWorkers:
         load = self.config.load_checkpoint_cfg
         waits = [self.actor("controller").load_checkpoint.remote(start.checkpoint, load.load_dataset)]
         if "trainer" in self.roles and start.action != "reattach":  # reattach: the trainer is already there
-            options = self.config.storage_options
-            waits += [t.load_checkpoint.remote(start.checkpoint, options, load.load_optimizer_states) for t in self.actors("trainer")]
+            checkpoint = Store(start.checkpoint, self.config.storage_options)
+            waits += [t.load_checkpoint.remote(checkpoint, load.load_optimizer_states) for t in self.actors("trainer")]
         self.wait(waits)
         if "trainer" in self.roles and "rollout" in self.roles:
             applied = self.wait(self.actor("trainer").applied_step.remote())

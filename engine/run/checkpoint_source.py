@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
-import fsspec
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -62,9 +61,9 @@ def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> Poli
 
 
 @contextmanager
-def local_folder(uri: str, storage_options: dict) -> Iterator[str]:
+def local_folder(folder: Store) -> Iterator[str]:
     """A local copy of a folder (the folder itself when it is local)."""
-    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+    fs, path = folder.fs()
     if is_local(fs):
         yield path
         return
@@ -77,12 +76,12 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
     """The policy model of ``source``, on CPU in float32, in eval mode."""
     options = config.storage_options
     if source.kind == "hf":
-        with local_folder(source.uri, options) as folder:
+        with local_folder(Store(source.uri, options)) as folder:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with local_folder(config.load_from, {}) as folder:  # the architecture; its weights are replaced
+    with local_folder(Store(config.load_from)) as folder:  # the architecture; its weights are replaced
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if is_sharded(source.uri, options):
-        load_sharded(source.uri, options, model, None)
+    if is_sharded(Store(source.uri, options)):
+        load_sharded(Store(source.uri, options), model, None)
         return model.eval()
     tensors, aliases = read_full_weights(Store(source.uri, options))
     missing, unexpected = model.load_state_dict(tensors, strict=False)

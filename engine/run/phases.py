@@ -28,6 +28,7 @@ from trellis.engine.run.resume import begin_checkpoint, begin_hf_export, seal_ch
 from trellis.engine.run.run_log import record_step
 from trellis.engine.run.workers import Call, Workers, each
 from trellis.engine.storage.checkpoints import step_name
+from trellis.engine.storage.store import Store
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.weights.fingerprint import fingerprint, largest_difference
 
@@ -149,8 +150,8 @@ def fit(ctx: PhaseContext, step: int, prepared: Prepared) -> dict[str, float]:
 # -- weights --------------------------------------------------------------------------------------------
 
 
-def _save_trainer_on(trainer: TrainingWorker, uri: str, options: dict, save_optimizer: bool) -> None:
-    trainer.save_checkpoint(uri, options, save_optimizer=save_optimizer)
+def _save_trainer_on(trainer: TrainingWorker, checkpoint: Store, save_optimizer: bool) -> None:
+    trainer.save_checkpoint(checkpoint, save_optimizer=save_optimizer)
 
 
 def save_checkpoint(ctx: PhaseContext, step: int) -> str:
@@ -159,7 +160,7 @@ def save_checkpoint(ctx: PhaseContext, step: int) -> str:
     uri = begin_checkpoint(config, step)
     calls = [Call("controller", Controller.save_checkpoint, (uri,))]
     if "trainer" in ctx.workers.roles:
-        calls.append(Call("trainer", _save_trainer_on, (uri, config.storage_options, not config.checkpoint_no_save_optimizer)))
+        calls.append(Call("trainer", _save_trainer_on, (Store(uri, config.storage_options), not config.checkpoint_no_save_optimizer)))
     ctx.workers.run(*calls)
     return uri
 
@@ -168,7 +169,7 @@ def export_hf(ctx: PhaseContext, step: int) -> str:
     """``save_pretrained`` model + tokenizer under ``{run}/hf/step-NNNNNN``; every rank gathers, rank 0 writes."""
     config = ctx.config
     uri = begin_hf_export(config, step)
-    each(ctx.workers, "trainer", TrainingWorker.export_hf, uri, config.storage_options, config.tokenizer_source)
+    each(ctx.workers, "trainer", TrainingWorker.export_hf, Store(uri, config.storage_options), config.tokenizer_source)
     seal_hf_export(config, step)
     return uri
 

@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -282,33 +281,32 @@ class TrainingWorker:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
+    def save_checkpoint(self, checkpoint: Store, *, save_optimizer: bool) -> None:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states.
         Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
         size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
         state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
         if self._world > 1:
-            save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
+            save_sharded(checkpoint, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
-            save_object(state, Store(uri, storage_options).join(name))
+            save_object(state, checkpoint.join(name))
             return
         tensors, aliases = untied_state_dict(self.export_weights())
-        with staging_folder(Store(uri, storage_options)) as folder:
+        with staging_folder(checkpoint) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
                 torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
             torch.save(state, f"{folder}/trainer.pt")
 
-    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
+    def load_checkpoint(self, checkpoint: Store, *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
-        uri = uri.rstrip("/")
-        checkpoint = Store(uri, storage_options)
-        if is_sharded(uri, storage_options):
+        uri = checkpoint.uri.rstrip("/")
+        if is_sharded(checkpoint):
             if load_optimizer and not checkpoint.join("optim").exists():
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
-            load_sharded(uri, storage_options, self.model, self.optimizer if load_optimizer else None)
+            load_sharded(checkpoint, self.model, self.optimizer if load_optimizer else None)
         else:
-            self._load_full_weights(uri, storage_options)
+            self._load_full_weights(checkpoint)
             if load_optimizer:
                 if not checkpoint.join("optimizer.pt").exists():
                     raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
@@ -324,18 +322,18 @@ class TrainingWorker:
         self.applied_step = int(state["applied_step"])
         return self.applied_step
 
-    def _load_full_weights(self, uri: str, storage_options: Mapping[str, Any]) -> None:
-        tensors, aliases = read_full_weights(Store(uri, storage_options), device=str(self._device))
+    def _load_full_weights(self, checkpoint: Store) -> None:
+        tensors, aliases = read_full_weights(checkpoint, device=str(self._device))
         missing, unexpected = fsdp.load_model_state(self.model, tensors)
         if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
-            raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
+            raise CheckpointError(f"{checkpoint.uri} does not match the model: missing {missing}, unexpected {unexpected}.")
 
-    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+    def export_hf(self, target: Store, tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
         weights = self.export_weights()  # every rank takes part in gathering the full tensors
         if self._rank != 0:
             return
-        with staging_folder(Store(uri, storage_options)) as folder:
+        with staging_folder(target) as folder:
             self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 
