@@ -65,7 +65,7 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     record_run_plan(config, plan)
     record_start(config, plan, attempt=flow_run.get_run_count())
     record_run_origin(config, start)
-    forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
+    forget_after(Store(config.run_uri, config.storage_options), start.step)  # the ledger of the steps to be run again
     record_owner(config, attempt)
     logger = get_run_logger()
     if start.action != "fresh":

@@ -29,5 +29,5 @@ def export_checkpoint(
         AutoTokenizer.from_pretrained(config.tokenizer_source).save_pretrained(folder)
         with open(f"{folder}/lineage.json", "w") as handle:
             json.dump({"run": config.run_uri, "step": source.step, "source": source.uri, "flow_run_id": flow_run_id}, handle, indent=2)
-    record_export(config.run_uri, config.storage_options, step=source.step, checkpoint=source.uri, export_uri=out, flow_run_id=flow_run_id)
+    record_export(Store(config.run_uri, config.storage_options), step=source.step, checkpoint=source.uri, export_uri=out, flow_run_id=flow_run_id)
     return source, out

@@ -88,7 +88,7 @@ class LocalRun:
             record_run_plan(config, self.plan)
             record_start(config, self.plan)
             record_run_origin(config, start)
-            forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
+            forget_after(Store(config.run_uri, config.storage_options), start.step)  # the ledger of the steps to be run again
         self.step = start.step
         self.counters = self.plan.counters
         self._runner = DirectRunner(PhaseContext(config, self.plan, self.workers))

@@ -37,7 +37,7 @@ def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
         return config.total_train_steps
     if config.debug_train:
         assert config.debug_rollout_dir is not None  # the config requires it in debug_train
-        steps = stored_steps(config.debug_rollout_dir, "train", config.storage_options)
+        steps = stored_steps(Store(config.debug_rollout_dir, config.storage_options), "train")
         if not steps:
             raise LakeError(
                 f"debug_train found no stored batches under {config.debug_rollout_dir}/trajectories/split=train; "

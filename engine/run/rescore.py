@@ -20,6 +20,7 @@ from trellis.engine.config import RewardConfig
 from trellis.engine.data.samples import Status
 from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
+from trellis.engine.storage.store import Store
 
 CORRECT_ABOVE = 0.5
 
@@ -61,7 +62,7 @@ def rescore_run(
     flow_run_id: str | None = None,
 ) -> Rescore:
     options = dict(storage_options or {})
-    stored = stored_steps(run_uri, split, options)
+    stored = stored_steps(Store(run_uri, options), split)
     if not stored:
         raise LakeError(f"{run_uri} has no stored trajectories in split={split}.")
     wanted = stored if steps is None else steps
@@ -76,7 +77,7 @@ def rescore_run(
         for step in wanted:
             rows = _read_rows(f"{partition_uri(run_uri, split, step)}/part-0.parquet", options)
             comparisons.append(_rescore_rows(rows, runner, step, flow_run_id))
-            write_part(pa.Table.from_pylist(rows, schema=SCHEMA), partition_uri(run_uri, target, step), options)
+            write_part(pa.Table.from_pylist(rows, schema=SCHEMA), Store(partition_uri(run_uri, target, step), options))
     return Rescore(target, comparisons)
 
 

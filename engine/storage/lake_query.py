@@ -211,7 +211,7 @@ def prompt_text(messages: list[dict[str, str]] | None) -> str:
 
 
 def _missing_step(ref: RunRef, fs: fsspec.AbstractFileSystem, path: str, split: str, step: int) -> str:
-    steps = stored_steps(ref.uri, split, ref.storage_options)
+    steps = stored_steps(Store(ref.uri, ref.storage_options), split)
     if steps:
         return f"{ref.name} has no {split} step {step}; stored {split} steps: {step_ranges(steps)}."
     root = f"{path}/trajectories"

@@ -137,7 +137,7 @@ class Controller:
     def load_batch(self, step: int) -> ProduceResult:
         """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""
         assert self.config.debug_rollout_dir is not None  # the config requires it in debug_train
-        return ProduceResult.of(read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options))
+        return ProduceResult.of(read_groups(Store(self.config.debug_rollout_dir, self.config.storage_options), "train", step))
 
     def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
         config = self.config
@@ -170,8 +170,8 @@ class Controller:
         config = self.config
         checkpoints = policy_checkpoints(config, [sample.policy_version for sample in samples])
         uri = write_samples(
-            samples, run_uri=config.trajectory_root(split), run=config.experiment_name, split=split, step=step,
-            storage_options=config.storage_options, lineage=RowLineage(flow_run_id, checkpoints),
+            samples, root=Store(config.trajectory_root(split), config.storage_options), run=config.experiment_name, split=split,
+            step=step, lineage=RowLineage(flow_run_id, checkpoints),
         )
         record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
         if split == "train" and ledger is not None:
@@ -180,7 +180,7 @@ class Controller:
 
     def _record_produced(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
         table = pa.Table.from_pylist([to_row(s, self.config.experiment_name) for group in groups for s in group], schema=SCHEMA)
-        write_part(table, produced_uri(self.config.run_uri, round_index), self.config.storage_options, part=part)
+        write_part(table, Store(produced_uri(self.config.run_uri, round_index), self.config.storage_options), part=part)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
