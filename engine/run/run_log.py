@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any, Mapping
+from typing import Mapping
 
 import fsspec
 
@@ -38,9 +38,9 @@ class RunLog:
     """Appends lines to one run's log. One instance per process; lines from several threads are
     serialised."""
 
-    def __init__(self, log_dir: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.uri = run_log_uri(log_dir)
-        self._fs, self._path = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
+    def __init__(self, log_dir: Store) -> None:
+        self.uri = run_log_uri(log_dir.uri)
+        self._fs, self._path = Store(self.uri, log_dir.options).fs()
         self._local = is_local(self._fs)
         self._lock = threading.Lock()
         self._text: str | None = None  # object storage: what the file holds, to rewrite it whole
@@ -74,8 +74,8 @@ class RunLog:
         self.write("STEP", message)
 
 
-def read_run_log(uri: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
-    return _read_text(*fsspec.core.url_to_fs(uri, **dict(storage_options or {})))
+def read_run_log(source: Store) -> str | None:
+    return _read_text(*source.fs())
 
 
 def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
@@ -159,7 +159,7 @@ def run_log_for(config) -> RunLog:
     with _logs_lock:
         uri = run_log_uri(config.log_uri)
         if uri not in _logs:
-            _logs[uri] = RunLog(config.log_uri, config.storage_options)
+            _logs[uri] = RunLog(Store(config.log_uri, config.storage_options))
         return _logs[uri]
 
 
