@@ -195,7 +195,7 @@ def fork_source(cfg, fork: str) -> str:
         raise CheckpointError(f"--fork {error}") from None
     if step is None:
         raise CheckpointError(f"--fork {fork!r}: name the step of a checkpoint, as in {fork}@10.")
-    source = locate_run(run, work_dir=cfg.work_dir, storage_options=cfg.storage_options)
+    source = locate_run(run, work_dir=Store(cfg.work_dir, cfg.storage_options))
     if source.uri.rstrip("/") == cfg.run_uri.rstrip("/"):
         raise CheckpointError(f"--fork {fork}: that is this experiment's own run; use --resume, or pick another experiment_name.")
     if SaveStore(Store(cfg.checkpoint_uri, cfg.storage_options)).latest() is not None:

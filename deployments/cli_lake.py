@@ -70,10 +70,11 @@ def runs_ls(
 ) -> None:
     """One line per run: steps done of planned, last train reward, last eval accuracy, checkpoints."""
     from trellis.engine.storage.lake_query import list_runs
+    from trellis.engine.storage.store import Store
 
     with operator_errors():
         root, storage = storage_location(work_dir, config, storage_option)
-        summaries = list_runs(root, storage)
+        summaries = list_runs(Store(root, storage))
     if not summaries:
         typer.echo(f"No runs under {root}.")
         return

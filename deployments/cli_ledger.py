@@ -28,7 +28,7 @@ def ledger_check(
     with operator_errors():
         ref = run_ref(run, work_dir, config, storage_option)
         try:
-            check = check_ledger(ref.uri, ref.storage_options, epoch=epoch)
+            check = check_ledger(ref, epoch=epoch)
         except LedgerMissingError as error:
             raise FileNotFoundError(str(error)) from None
     for line in render(check):

@@ -39,16 +39,14 @@ def lineage(
     from trellis.engine.storage.lake import LakeError
     from trellis.engine.storage.lineage import lineage_chain, trace_sample
     from trellis.engine.storage.runs import RunNotFoundError, split_run_step
-    from trellis.engine.storage.store import Store
 
     try:
         name, step = split_run_step(run_at_step)
         if step is None:
             raise ValueError(f"{run_at_step!r}: name a step, as in {run_at_step}@10.")
         ref = run_ref(name, work_dir, config, storage_option)
-        run = Store(ref.uri, ref.storage_options)
-        chain = lineage_chain(run, step)
-        traced = trace_sample(run, sample) if sample else None
+        chain = lineage_chain(ref, step)
+        traced = trace_sample(ref, sample) if sample else None
     except (RunNotFoundError, CheckpointError, LakeError, ValueError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None

@@ -22,11 +22,10 @@ def report(
     from trellis.engine.config.loading import ConfigError
     from trellis.engine.storage.report import ReportError, write_report
     from trellis.engine.storage.runs import RunNotFoundError
-    from trellis.engine.storage.store import Store
 
     try:
         ref = run_ref(run, work_dir, config, storage_option)
-        written = write_report(Store(ref.uri, ref.storage_options), out)
+        written = write_report(ref, out)
     except (RunNotFoundError, ReportError, ConfigError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None

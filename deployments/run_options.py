@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from trellis.engine.storage.runs import RunRef, locate_run
+from trellis.engine.storage.store import Store
 
 WorkDirOption = Annotated[
     Optional[str], typer.Option("--work-dir", help="Where runs live (any fsspec URI); default: the config's, else work_dirs.")
@@ -40,4 +41,4 @@ def storage_location(work_dir: str | None, config: Path | None, options: list[st
 
 def run_ref(run: str, work_dir: str | None, config: Path | None, options: list[str]) -> RunRef:
     root, storage = storage_location(work_dir, config, options)
-    return locate_run(run, work_dir=root, storage_options=storage)
+    return locate_run(run, work_dir=Store(root, storage))

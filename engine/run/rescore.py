@@ -52,17 +52,16 @@ def rescore_split_name(function: str) -> str:
 
 
 def rescore_run(
-    run_uri: str,
+    run: Store,
     reward: RewardConfig,
     *,
-    storage_options: dict[str, Any] | None = None,
     split: str = "train",
     steps: list[int] | None = None,
     into: str | None = None,
     flow_run_id: str | None = None,
 ) -> Rescore:
-    options = dict(storage_options or {})
-    stored = stored_steps(Store(run_uri, options), split)
+    run_uri, options = run.uri, run.options
+    stored = stored_steps(run, split)
     if not stored:
         raise LakeError(f"{run_uri} has no stored trajectories in split={split}.")
     wanted = stored if steps is None else steps

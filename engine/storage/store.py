@@ -21,7 +21,7 @@ class Store:
         object.__setattr__(self, "options", dict(self.options or {}))  # None: no options; a copy the caller cannot change
 
     def __repr__(self) -> str:
-        return f"Store({self.uri!r}, options={redact_mapping(self.options)!r})"
+        return f"{type(self).__name__}({self.uri!r}, options={redact_mapping(self.options)!r})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Store) and (self.uri, self.options) == (other.uri, other.options)
