@@ -26,8 +26,8 @@ from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.rollout.backends.pool import RolloutPool
 from trellis.engine.run.identity import WorkerFingerprint
 from trellis.engine.secrets import Credentials
-from trellis.engine.storage.trackers import Trackers
 from trellis.engine.storage.store import Store
+from trellis.engine.storage.trackers import Trackers
 from trellis.engine.train.fsdp import join_process_group
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.weights.broadcast import (

@@ -11,8 +11,8 @@ from trellis.engine.config import DatasetConfig, TrellisConfig
 from trellis.engine.errors import SettingError
 from trellis.engine.rollout.rewards.runner import resolve_function
 from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
-from trellis.engine.user_code import UserCodeError, load_attribute, load_function
 from trellis.engine.storage.store import Store
+from trellis.engine.user_code import UserCodeError, load_attribute, load_function
 
 
 class InputError(SettingError):

@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-from trellis.engine.storage.store import Store
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from trellis.engine.storage.store import Store
 
 Records = list[dict[str, Any]]
 
