@@ -114,7 +114,8 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, total_train_steps=1, train_batch_size=4, prompt_repeat_k=4,
         enable_evaluate=False, checkpoint_interval=-1, dynamic_sampling={"enable": True, "max_rounds": 3},
-        reward={"overlong_buffer_len": 4, "overlong_penalty_factor": 0.5}, rollout={"max_new_tokens": 12},
+        reward={"function": "trellis.engine.tiny.reverse_task:score", "overlong_buffer_len": 4, "overlong_penalty_factor": 0.5},
+        rollout={"max_new_tokens": 12},
     )
     with LocalRun(config) as run:
         run.run()
