@@ -20,12 +20,12 @@ import openai
 import typer
 from transformers import AutoTokenizer
 
-from engine.config import AgentConfig
-from engine.data.samples import RolloutSample
-from engine.rollout.agents.agent_loops import build_agent_loop
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.tiny import lookup_task
+from trellis.engine.config import AgentConfig
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rollout.agents.agent_loops import build_agent_loop
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.tiny import lookup_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from openai_agents import LOOKUP_TOOL, lookup_agent  # noqa: E402
@@ -65,7 +65,7 @@ def main(model: Path = Path("build/lookup"), rounds: int = 3, out: Path = Path("
     tokenizer = AutoTokenizer.from_pretrained(model)
     backend = TransformersRollout(str(model), tokenizer)
     loops = {
-        "tool_loop": build_agent_loop(AgentConfig(loop="tool", tools="engine.tiny.lookup_task:TOOLS", max_turns=3), tokenizer),
+        "tool_loop": build_agent_loop(AgentConfig(loop="tool", tools="trellis.engine.tiny.lookup_task:TOOLS", max_turns=3), tokenizer),
         "openai_client_per_session": build_agent_loop(AgentConfig(loop="openai", entrypoint=f"{__file__}:lookup_agent_here"), tokenizer),
         "openai_shared_client": build_agent_loop(AgentConfig(loop="openai", entrypoint=f"{__file__}:shared_client_agent"), tokenizer),
     }

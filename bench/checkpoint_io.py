@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import TrellisConfig
-from engine.tiny.model import build_tiny_checkpoint
-from engine.train.worker import TrainingWorker
+from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.train.worker import TrainingWorker
 
 
 def build_worker(root: Path, hidden: int, layers: int) -> TrainingWorker:
@@ -35,7 +36,7 @@ def build_worker(root: Path, hidden: int, layers: int) -> TrainingWorker:
     Qwen2ForCausalLM(config).save_pretrained(root / "model")
     AutoTokenizer.from_pretrained(tiny).save_pretrained(root / "model")
     trellis = TrellisConfig(
-        load_from=str(root / "model"), train_dataset={"path": "unused"}, total_train_steps=1,
+        load_from=str(root / "model"), train_dataset={"path": "unused"}, total_train_steps=1, reward={"function": "trellis.engine.tiny.reverse_task:score"},
         train_worker={"device": "cpu"},
     )
     worker = TrainingWorker(trellis, total_train_steps=1, pad_token_id=0)
@@ -69,7 +70,7 @@ def main() -> None:
             ours, peer = root / f"trellis-{round_index}", root / f"torch-{round_index}.pt"
 
             started = time.perf_counter()
-            worker.save_checkpoint(str(ours), {}, save_optimizer=True)
+            worker.save_checkpoint(Store(str(ours)), save_optimizer=True)
             times["trellis_save"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
@@ -77,7 +78,7 @@ def main() -> None:
             times["torch_save"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
-            worker.load_checkpoint(str(ours), {}, load_optimizer=True)
+            worker.load_checkpoint(Store(str(ours)), load_optimizer=True)
             times["trellis_load"].append(time.perf_counter() - started)
 
             started = time.perf_counter()

@@ -38,8 +38,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
-    from engine.tiny.model import build_tiny_checkpoint
-    from engine.tiny.reverse_task import write_dataset
+    from trellis.engine.tiny.model import build_tiny_checkpoint
+    from trellis.engine.tiny.reverse_task import write_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

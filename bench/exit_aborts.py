@@ -35,8 +35,9 @@ print(dataset.to_table(columns=["split", "step"], filter=ds.field("rollout_id") 
 
 TRACE_SAMPLE = """
 import sys
-from engine.storage.lineage import trace_sample
-print(trace_sample(sys.argv[1], sys.argv[2]))
+from trellis.engine.storage.lineage import trace_sample
+from trellis.engine.storage.store import Store
+print(trace_sample(Store(sys.argv[1]), sys.argv[2]))
 """
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
 
 use_lean_temporary_server()
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import typer
 from pebble import ProcessPool
 
-from engine.config import RewardConfig
-from engine.rollout.rewards.runner import RewardRunner, call_reward
+from trellis.engine.config import RewardConfig
+from trellis.engine.rollout.rewards.runner import RewardRunner, call_reward
 
 
 def hangs_on_one_in_25(sample):
@@ -68,8 +68,8 @@ def trellis_s(samples: list[dict], timeout_s: float) -> float:
 
 
 def training_steps(timeout_s: float) -> list[dict]:
-    from engine.config.loading import load_config
-    from engine.run.local import LocalRun
+    from trellis.engine.config.loading import load_config
+    from trellis.engine.run.local import LocalRun
 
     root = Path(__file__).resolve().parents[1]
     config = load_config(

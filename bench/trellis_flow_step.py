@@ -25,7 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
 
 if os.environ.get("TRELLIS_BENCH_PREFECT_DEFAULTS") != "1":  # 1: Prefect's own defaults, for comparison
     use_lean_temporary_server()
@@ -38,8 +38,8 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
-from engine.config.loading import load_config  # noqa: E402
-from flows.rl_train import rl_train  # noqa: E402
+from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
 PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
@@ -80,6 +80,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             config = load_config(
                 None, load_from=model_dir, train_dataset={"path": train_path}, total_train_steps=WARMUP_STEPS,
+                reward={"function": "trellis.engine.tiny.reverse_task:score"},
                 train_batch_size=16, prompt_repeat_k=8, rollout={"temperature": 1.0, "max_new_tokens": 8},
                 optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
                 cluster={"address": address, "release_workers_at_end": False},

@@ -16,8 +16,8 @@ logging.disable(logging.WARNING)
 
 from _measure import StepClock  # noqa: E402
 
-from engine.config.loading import load_config  # noqa: E402
-from engine.run.local import LocalRun  # noqa: E402
+from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.run.local import LocalRun  # noqa: E402
 
 
 def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
@@ -26,6 +26,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
             None,
             load_from=model_dir,
             train_dataset={"path": train_path},
+            reward={"function": "trellis.engine.tiny.reverse_task:score"},
             total_train_steps=steps,
             train_batch_size=16,
             prompt_repeat_k=8,

@@ -11,11 +11,11 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
-from deployments.cli_lake import runs_app, trajectories_app
-from deployments.cli_ledger import ledger_app
-from deployments.cli_lineage import lineage
-from deployments.cli_report import report
-from deployments.cli_server import server_app
+from trellis.deployments.cli_lake import runs_app, trajectories_app
+from trellis.deployments.cli_ledger import ledger_app
+from trellis.deployments.cli_lineage import lineage
+from trellis.deployments.cli_report import report
+from trellis.deployments.cli_server import server_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training for language models.")
 app.add_typer(server_app, name="server")
@@ -34,7 +34,7 @@ def tiny_model(
     task: Annotated[str, typer.Option(help="reverse (one turn) or lookup (a tool call, then the answer).")] = "reverse",
 ) -> None:
     """Build the bundled tiny Qwen2 model and tokenizer offline."""
-    from engine.tiny import lookup_task, reverse_task
+    from trellis.engine.tiny import lookup_task, reverse_task
 
     tasks = {"reverse": reverse_task, "lookup": lookup_task}
     if task not in tasks:
@@ -62,14 +62,14 @@ def cluster_up(
     home: HomeOption = "~/.trellis",
 ) -> None:
     """Start a local Ray head that outlives this command."""
-    from engine.cluster.head import (
+    from trellis.engine.cluster.head import (
         ClusterError,
         auth_token_file,
         is_alive,
         recorded_address,
         start_head,
     )
-    from engine.config import ClusterConfig
+    from trellis.engine.config import ClusterConfig
 
     cluster = ClusterConfig(head_port=port, num_cpus=num_cpus, home=home)
     address = recorded_address(cluster)
@@ -87,8 +87,8 @@ def cluster_up(
 @cluster_app.command("down")
 def cluster_down(home: HomeOption = "~/.trellis") -> None:
     """Stop the local Ray head (and the run workers on it)."""
-    from engine.cluster.head import stop_head
-    from engine.config import ClusterConfig
+    from trellis.engine.cluster.head import stop_head
+    from trellis.engine.config import ClusterConfig
 
     typer.echo("stopped" if stop_head(ClusterConfig(home=home)) else "no head was recorded as running")
 
@@ -96,8 +96,8 @@ def cluster_down(home: HomeOption = "~/.trellis") -> None:
 @cluster_app.command("status")
 def cluster_status(home: HomeOption = "~/.trellis") -> None:
     """Say whether the recorded local head answers."""
-    from engine.cluster.head import is_alive, recorded_address
-    from engine.config import ClusterConfig
+    from trellis.engine.cluster.head import is_alive, recorded_address
+    from trellis.engine.config import ClusterConfig
 
     cluster = ClusterConfig(home=home)
     address = recorded_address(cluster)
@@ -117,7 +117,7 @@ def deployments_render(
     check: Annotated[bool, typer.Option("--check", help="Only say whether prefect.yaml is up to date.")] = False,
 ) -> None:
     """Write deployments/prefect.yaml from configs/*.yaml (one rl_train deployment each)."""
-    from deployments.render import PREFECT_YAML, bundled_configs, render
+    from trellis.deployments.render import PREFECT_YAML, bundled_configs, render
 
     text = render(bundled_configs())
     if check:
@@ -145,9 +145,9 @@ def train(
 
     A run that fails ends with one line on the console (its traceback goes to the run log): exit code 2
     for what the user must change (``_refused``: a setting, wherever it was raised), 1 otherwise."""
-    from engine.config.loading import load_config
-    from engine.run.preflight import check_inputs
-    from engine.secrets import install_log_redaction, redact
+    from trellis.engine.config.loading import load_config
+    from trellis.engine.run.preflight import check_inputs
+    from trellis.engine.secrets import install_log_redaction, redact
 
     _quiet_libraries()
     refused = _refused()
@@ -160,7 +160,7 @@ def train(
         if in_process:
             _train_in_process(cfg, resume)
         else:
-            from engine.cluster.environment import (
+            from trellis.engine.cluster.environment import (
                 ClusterEnvironmentError,
                 prepare_cluster,
             )
@@ -175,18 +175,19 @@ def train(
 
 def _refused() -> tuple[type[Exception], ...]:
     """What refuses a run until the user changes something: exit code 2."""
-    from engine.errors import SettingError
-    from engine.storage.checkpoints import CheckpointError
-    from engine.storage.lake import LakeError
-    from engine.storage.runs import RunNotFoundError
+    from trellis.engine.errors import SettingError
+    from trellis.engine.storage.checkpoints import CheckpointError
+    from trellis.engine.storage.lake import LakeError
+    from trellis.engine.storage.runs import RunNotFoundError
 
     return (SettingError, CheckpointError, LakeError, RunNotFoundError)
 
 
 def fork_source(cfg, fork: str) -> str:
     """The complete checkpoint ``RUN@STEP`` names, checked; a clear error for anything else."""
-    from engine.storage.checkpoints import CheckpointError, SaveStore, require_complete
-    from engine.storage.runs import locate_run, split_run_step
+    from trellis.engine.storage.checkpoints import CheckpointError, SaveStore, require_complete
+    from trellis.engine.storage.runs import locate_run, split_run_step
+    from trellis.engine.storage.store import Store
 
     try:
         run, step = split_run_step(fork)
@@ -194,19 +195,19 @@ def fork_source(cfg, fork: str) -> str:
         raise CheckpointError(f"--fork {error}") from None
     if step is None:
         raise CheckpointError(f"--fork {fork!r}: name the step of a checkpoint, as in {fork}@10.")
-    source = locate_run(run, work_dir=cfg.work_dir, storage_options=cfg.storage_options)
+    source = locate_run(run, work_dir=Store(cfg.work_dir, cfg.storage_options))
     if source.uri.rstrip("/") == cfg.run_uri.rstrip("/"):
         raise CheckpointError(f"--fork {fork}: that is this experiment's own run; use --resume, or pick another experiment_name.")
-    if SaveStore(cfg.checkpoint_uri, cfg.storage_options).latest() is not None:
+    if SaveStore(Store(cfg.checkpoint_uri, cfg.storage_options)).latest() is not None:
         raise CheckpointError(f"--fork: {cfg.run_uri} already holds checkpoints; a fork starts a new experiment_name.")
     uri = f"{source.uri}/checkpoints/step-{step:06d}"
-    require_complete(uri, cfg.storage_options)
+    require_complete(Store(uri, cfg.storage_options))
     return uri
 
 
 def _train_in_process(cfg, resume: bool) -> None:
-    from deployments.progress import RunLogTail
-    from engine.run.run_log import record_failure
+    from trellis.deployments.progress import RunLogTail
+    from trellis.engine.run.run_log import record_failure
 
     tail = RunLogTail(cfg)
     try:
@@ -220,7 +221,7 @@ def _train_in_process(cfg, resume: bool) -> None:
 def _run_in_process(cfg, resume: bool, tail) -> None:
     from tqdm import tqdm
 
-    from engine.run.local import LocalRun
+    from trellis.engine.run.local import LocalRun
 
     with LocalRun(cfg, resume=resume) as run:
         for line in tail.new_lines():  # how the run starts, and the dataset rows it skipped
@@ -247,20 +248,20 @@ def _train_with_flow(cfg, resume: bool) -> None:
     import threading
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from deployments.server import running_state
+    from trellis.deployments.server import running_state
 
     server = running_state(cfg.cluster.home) if "PREFECT_API_URL" not in os.environ else None
     if server is not None:  # `trellis server up` left one: the run shows in its UI
         os.environ["PREFECT_API_URL"] = server.api_url
         typer.echo(f"flow runs: {server.url}/runs")
-    from flows.prefect_settings import use_lean_temporary_server
+    from trellis.flows.prefect_settings import use_lean_temporary_server
 
     use_lean_temporary_server()  # without a Prefect server, the run starts a temporary one
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from tqdm import tqdm
 
-    from deployments.progress import RunLogTail, follow_metrics
-    from flows.rl_train import rl_train
+    from trellis.deployments.progress import RunLogTail, follow_metrics
+    from trellis.flows.rl_train import rl_train
 
     done, tail = threading.Event(), RunLogTail(cfg)
     bar = tqdm(total=cfg.total_train_steps, desc="train", unit="step", file=sys.stdout)  # the run plan has the total
@@ -285,7 +286,7 @@ def _train_with_flow(cfg, resume: bool) -> None:
 def _end_with(error: Exception, *, shown: bool) -> NoReturn:
     """End a failed run: its one line (unless the run log's lines on the console said it already),
     exit code 2 for what the user must change, 1 otherwise."""
-    from engine.errors import describe_failure
+    from trellis.engine.errors import describe_failure
 
     if not shown:
         typer.secho(f"error: {describe_failure(error)}", fg=typer.colors.RED, err=True)

@@ -20,14 +20,14 @@ from typing import Annotated, Any
 
 import typer
 
-from deployments.run_options import (
+from trellis.deployments.run_options import (
     ConfigOption,
     StorageOption,
     WorkDirOption,
     run_ref,
     storage_location,
 )
-from engine.storage.runs import RunNotFoundError, split_run_step
+from trellis.engine.storage.runs import RunNotFoundError, split_run_step
 
 runs_app = typer.Typer(no_args_is_help=True, help="The runs under a work_dir: steps, rewards, evaluations, checkpoints.")
 trajectories_app = typer.Typer(
@@ -47,8 +47,8 @@ class OutputFormat(str, Enum):
 @contextmanager
 def operator_errors() -> Iterator[None]:
     """A mistake in what was typed (or a missing run, step or file) as one red line and exit code 2."""
-    from engine.config.loading import ConfigError
-    from engine.storage.lake_query import QueryError
+    from trellis.engine.config.loading import ConfigError
+    from trellis.engine.storage.lake_query import QueryError
 
     try:
         yield
@@ -69,11 +69,12 @@ def runs_ls(
     storage_option: StorageOption = [],  # noqa: B006
 ) -> None:
     """One line per run: steps done of planned, last train reward, last eval accuracy, checkpoints."""
-    from engine.storage.lake_query import list_runs
+    from trellis.engine.storage.lake_query import list_runs
+    from trellis.engine.storage.store import Store
 
     with operator_errors():
         root, storage = storage_location(work_dir, config, storage_option)
-        summaries = list_runs(root, storage)
+        summaries = list_runs(Store(root, storage))
     if not summaries:
         typer.echo(f"No runs under {root}.")
         return
@@ -116,7 +117,7 @@ def trajectories_query(
     output_format: Annotated[OutputFormat, typer.Option("--format", help="How to print the result.")] = OutputFormat.table,
 ) -> None:
     """Run SQL over a run's trajectories (every split and step) and ledger."""
-    from engine.storage.lake_query import query
+    from trellis.engine.storage.lake_query import query
 
     with operator_errors():
         table = query(run_ref(run, work_dir, config, storage_option), sql)
@@ -204,7 +205,7 @@ def trajectories_show(
     storage_option: StorageOption = [],  # noqa: B006
 ) -> None:
     """One stored step's prompts and their responses, with rewards, grouped by prompt."""
-    from engine.storage.lake_query import show_step
+    from trellis.engine.storage.lake_query import show_step
 
     try:
         run, named_step = split_run_step(run)

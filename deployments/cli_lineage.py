@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deployments.run_options import ConfigOption, StorageOption, WorkDirOption, run_ref
+from trellis.deployments.run_options import ConfigOption, StorageOption, WorkDirOption, run_ref
 
 
 def prefect_ui_base(home: str = "~/.trellis") -> str | None:
@@ -17,7 +17,7 @@ def prefect_ui_base(home: str = "~/.trellis") -> str | None:
         return os.environ["PREFECT_UI_URL"].rstrip("/")
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"].rstrip("/").removesuffix("/api")
-    from deployments.server import recorded_state
+    from trellis.deployments.server import recorded_state
 
     state = recorded_state(home)
     return state.url if state is not None else None
@@ -35,18 +35,18 @@ def lineage(
     storage_option: StorageOption = [],
 ) -> None:
     """Print the chain: evaluation <- export <- checkpoint <- trajectories <- flow runs <- origin."""
-    from engine.storage.checkpoints import CheckpointError
-    from engine.storage.lake import LakeError
-    from engine.storage.lineage import lineage_chain, trace_sample
-    from engine.storage.runs import RunNotFoundError, split_run_step
+    from trellis.engine.storage.checkpoints import CheckpointError
+    from trellis.engine.storage.lake import LakeError
+    from trellis.engine.storage.lineage import lineage_chain, trace_sample
+    from trellis.engine.storage.runs import RunNotFoundError, split_run_step
 
     try:
         name, step = split_run_step(run_at_step)
         if step is None:
             raise ValueError(f"{run_at_step!r}: name a step, as in {run_at_step}@10.")
         ref = run_ref(name, work_dir, config, storage_option)
-        chain = lineage_chain(ref.uri, step, ref.storage_options)
-        traced = trace_sample(ref.uri, sample, ref.storage_options) if sample else None
+        chain = lineage_chain(ref, step)
+        traced = trace_sample(ref, sample) if sample else None
     except (RunNotFoundError, CheckpointError, LakeError, ValueError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None

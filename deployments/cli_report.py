@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from deployments.run_options import ConfigOption, StorageOption, WorkDirOption, run_ref
+from trellis.deployments.run_options import ConfigOption, StorageOption, WorkDirOption, run_ref
 
 
 def report(
@@ -19,13 +19,13 @@ def report(
     storage_option: StorageOption = [],
 ) -> None:
     """Write a run's report: one PNG per metric panel and an index.html that embeds them."""
-    from engine.config.loading import ConfigError
-    from engine.storage.report import ReportError, write_report
-    from engine.storage.runs import RunNotFoundError
+    from trellis.engine.config.loading import ConfigError
+    from trellis.engine.storage.report import ReportError, write_report
+    from trellis.engine.storage.runs import RunNotFoundError
 
     try:
         ref = run_ref(run, work_dir, config, storage_option)
-        written = write_report(ref.uri, out, ref.storage_options)
+        written = write_report(ref, out)
     except (RunNotFoundError, ReportError, ConfigError) as error:
         typer.secho(str(error), fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2) from None

@@ -22,7 +22,7 @@ def server_up(
     home: HomeOption = "~/.trellis",
 ) -> None:
     """Start the server and a worker for the `trellis-local` pool (or find them up), and deploy."""
-    from deployments.server import ServerError, start
+    from trellis.deployments.server import ServerError, start
 
     try:
         state = start(home, port, database_url, deploy)
@@ -38,7 +38,7 @@ def server_up(
 @server_app.command("down")
 def server_down(home: HomeOption = "~/.trellis") -> None:
     """Stop the worker and the server."""
-    from deployments.server import stop
+    from trellis.deployments.server import stop
 
     typer.echo("stopped" if stop(home) else "no server was recorded as running")
 
@@ -46,7 +46,7 @@ def server_down(home: HomeOption = "~/.trellis") -> None:
 @server_app.command("status")
 def server_status(home: HomeOption = "~/.trellis") -> None:
     """Say whether the recorded server answers (exit 1 if not)."""
-    from deployments.server import process_alive, recorded_state, running_state
+    from trellis.deployments.server import process_alive, recorded_state, running_state
 
     state = running_state(home)
     if state is None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import threading
 
-import fsspec
+from trellis.engine.storage.store import Store
 
 
-def _read(uri: str, storage_options: dict) -> str | None:
+def _read(source: Store) -> str | None:
     try:
-        with fsspec.open(uri, "r", **storage_options) as handle:
+        with source.open("r") as handle:
             return handle.read()
     except FileNotFoundError:
         return None
@@ -24,23 +24,23 @@ class RunLogTail:
     its ERROR lines (a failure the run recorded, which the console need not repeat)."""
 
     def __init__(self, config) -> None:
-        from engine.run.run_log import run_log_uri
+        from trellis.engine.run.run_log import run_log_uri
 
-        self._uri, self._options = run_log_uri(config.log_uri), config.storage_options
-        self._seen = len(_read(self._uri, self._options) or "")
+        self._log = Store(run_log_uri(config.log_uri), config.storage_options)
+        self._seen = len(_read(self._log) or "")
         self.errors_shown = 0
 
     def new_lines(self) -> list[str]:
-        from engine.run.run_log import console_lines, error_lines
+        from trellis.engine.run.run_log import console_lines, error_lines
 
-        text = _read(self._uri, self._options) or ""
+        text = _read(self._log) or ""
         fresh, self._seen = text[self._seen :], len(text)
         self.errors_shown += len(error_lines(fresh))
         return console_lines(fresh)
 
 
 def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
-    from engine.run.plan import run_plan_uri
+    from trellis.engine.run.plan import run_plan_uri
 
     logs = f"{config.run_uri}/logs"
     seen: set[int] = set()
@@ -49,12 +49,12 @@ def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s
         finished = done.wait(every_s)
         for line in tail.new_lines():
             bar.write(line)
-        latest = _read(run_plan_uri(config), config.storage_options)
+        latest = _read(Store(run_plan_uri(config), config.storage_options))
         if latest is not None and latest != plan_text:  # a resumed run's earlier plan is replaced soon
             plan_text, plan = latest, json.loads(latest)
             bar.total = plan["total_steps"]
             bar.n = max(bar.n, plan["start"]["step"])
-        text = _read(f"{logs}/metrics.jsonl", config.storage_options)
+        text = _read(Store(f"{logs}/metrics.jsonl", config.storage_options))
         for record in map(json.loads, (text or "").splitlines()):
             step = record["step"]
             if step in seen:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config.loading import load_config
+from trellis.engine.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"
@@ -85,7 +85,7 @@ DEPLOYMENTS = """\
 
 # What the example rescore deployment scores with: a softer verifier for the bundled task, else the
 # run's own function (edit it in the UI).
-RESCORE_WITH = {"engine.tiny.reverse_task:score": "engine.tiny.reverse_task:partial_score"}
+RESCORE_WITH = {"trellis.engine.tiny.reverse_task:score": "trellis.engine.tiny.reverse_task:partial_score"}
 
 
 def deployment_name(config_path: Path) -> str:

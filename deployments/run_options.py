@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from engine.storage.runs import RunRef, locate_run
+from trellis.engine.storage.runs import RunRef, locate_run
+from trellis.engine.storage.store import Store
 
 WorkDirOption = Annotated[
     Optional[str], typer.Option("--work-dir", help="Where runs live (any fsspec URI); default: the config's, else work_dirs.")
@@ -25,7 +26,7 @@ def storage_location(work_dir: str | None, config: Path | None, options: list[st
     """(work_dir, storage_options) from the options; credentials stay in the environment."""
     storage: dict = {}
     if config is not None:
-        from engine.config.loading import load_config
+        from trellis.engine.config.loading import load_config
 
         cfg = load_config(config)
         storage.update(cfg.storage_options)
@@ -40,4 +41,4 @@ def storage_location(work_dir: str | None, config: Path | None, options: list[st
 
 def run_ref(run: str, work_dir: str | None, config: Path | None, options: list[str]) -> RunRef:
     root, storage = storage_location(work_dir, config, options)
-    return locate_run(run, work_dir=root, storage_options=storage)
+    return locate_run(run, work_dir=Store(root, storage))

@@ -1,6 +1,6 @@
 """Serve the training flow locally: a deployment plus the process that runs its flow runs.
 
-    python -m deployments.serve configs/tiny_reverse.yaml [--cron "0 2 * * *"]
+    python -m trellis.deployments.serve configs/tiny_reverse.yaml [--cron "0 2 * * *"]
 
 Then launch runs from the Prefect UI (edit the `config` parameter there) or with
 `prefect deployment run 'rl_train/tiny-reverse'`.
@@ -15,8 +15,8 @@ import typer
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 
-from engine.config.loading import load_config
-from flows.rl_train import rl_train
+from trellis.engine.config.loading import load_config
+from trellis.flows.rl_train import rl_train
 
 
 def deployment(config_path: Path, *, name: str = "tiny-reverse", cron: str | None = None) -> RunnerDeployment:

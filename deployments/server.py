@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.secrets import redact_url_passwords
+from trellis.engine.secrets import redact_url_passwords
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = "trellis-local"
@@ -175,7 +175,7 @@ def _ensure_pool(url: str) -> None:
 def apply_deployments(state: ServerState, prefect_yaml: Path | None = None) -> None:
     """``prefect deploy --all`` of ``deployments/prefect.yaml`` from the repository root, so that
     flow runs load their code from this checkout."""
-    from deployments.render import PREFECT_YAML
+    from trellis.deployments.render import PREFECT_YAML
 
     env = child_env(state.home, state.api_url)
     done = subprocess.run(

@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from engine.config import TrellisConfig
-from engine.config.backends import backend_traits
-from engine.secrets import install_log_redaction
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.backends import backend_traits
+from trellis.engine.secrets import install_log_redaction
 
 
 def resolve_device(choice: str) -> torch.device:

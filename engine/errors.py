@@ -9,7 +9,7 @@ travels as its ``__cause__``, for the run log; neither carries a secret the driv
 
 from __future__ import annotations
 
-from engine.secrets import redact
+from trellis.engine.secrets import redact
 
 
 class SettingError(ValueError):

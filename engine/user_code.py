@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from engine.errors import SettingError
+from trellis.engine.errors import SettingError
 
 
 class UserCodeError(SettingError):
@@ -92,11 +92,22 @@ def _import_module(spec: str, target: str, base: Path) -> ModuleType:
             if error.name is not None and (target == error.name or target.startswith(f"{error.name}.")):
                 raise UserCodeError(
                     f"{spec!r}: no module {target!r} in {base} or the installed packages (is the run launched from the "
-                    "folder that holds it?)."
+                    f"folder that holds it?){_renamed(target)}"
                 ) from None
             raise UserCodeError(f"{spec!r}: importing {target!r} failed: {_short(error)}") from None
         except Exception as error:  # the user's module raised while it was imported
             raise UserCodeError(f"{spec!r}: importing {target!r} failed: {_short(error)}") from None
+
+
+def _renamed(target: str) -> str:
+    """A hint for a spec written before trellis's packages moved under ``trellis.``."""
+    if target.split(".")[0] not in ("engine", "tasks", "flows", "deployments"):
+        return "."
+    try:
+        found = importlib.util.find_spec(f"trellis.{target}")
+    except ImportError:
+        found = None
+    return f"; trellis's own is 'trellis.{target}'." if found is not None else "."
 
 
 def _load_file(spec: str, path: Path) -> ModuleType:

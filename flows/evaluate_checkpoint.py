@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from engine.config import TrellisConfig
-from tasks.offline_tasks import evaluate_checkpoint_task
+from trellis.engine.config import TrellisConfig
+from trellis.tasks.offline_tasks import evaluate_checkpoint_task
 
 
 @flow(name="evaluate_checkpoint", flow_run_name="evaluate_checkpoint[{config.experiment_name}]", persist_result=False)

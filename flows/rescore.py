@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from engine.config import TrellisConfig
-from tasks.offline_tasks import rescore_task
+from trellis.engine.config import TrellisConfig
+from trellis.tasks.offline_tasks import rescore_task
 
 
 @flow(name="rescore", flow_run_name="rescore[{config.experiment_name}]", persist_result=False)

@@ -16,13 +16,13 @@ from __future__ import annotations
 from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters
-from engine.run.plan import RunPlan, plan_step
-from engine.run.loop import run_steps
-from engine.run.step import StepOutcome, run_step
-from tasks.phases import TaskPhases
-from tasks.run_tasks import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.run.plan import RunPlan, plan_step
+from trellis.engine.run.loop import run_steps
+from trellis.engine.run.step import StepOutcome, run_step
+from trellis.tasks.phases import TaskPhases
+from trellis.tasks.run_tasks import (
     attach_workers,
     engine_warnings_in_run_log,
     failures_in_run_log,

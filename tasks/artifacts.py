@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import fsspec
 
-from engine.config import TrellisConfig
+from trellis.engine.config import TrellisConfig
 
 
 def artifact_key(config: TrellisConfig, what: str) -> str:

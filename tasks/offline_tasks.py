@@ -8,14 +8,15 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
-from engine.config import RewardConfig, TrellisConfig
-from engine.run.evaluate_checkpoint import evaluate_checkpoint
-from engine.run.export import export_checkpoint
-from engine.run.rescore import rescore_run
-from engine.secrets import install_log_redaction
-from tasks.artifacts import artifact_key, storage_link
-from tasks.run_tasks import publish_report
-from tasks.step_tasks import NOT_STORED
+from trellis.engine.config import RewardConfig, TrellisConfig
+from trellis.engine.run.evaluate_checkpoint import evaluate_checkpoint
+from trellis.engine.run.export import export_checkpoint
+from trellis.engine.run.rescore import rescore_run
+from trellis.engine.secrets import install_log_redaction
+from trellis.engine.storage.store import Store
+from trellis.tasks.artifacts import artifact_key, storage_link
+from trellis.tasks.run_tasks import publish_report
+from trellis.tasks.step_tasks import NOT_STORED
 
 
 def _flow_run_id() -> str | None:
@@ -57,7 +58,7 @@ def rescore_task(config: TrellisConfig, reward_function: str, split: str, steps:
     install_log_redaction(config.storage_options)
     reward = RewardConfig(function=reward_function, timeout_s=config.reward.timeout_s, num_workers=config.reward.num_workers)
     result = rescore_run(
-        config.run_uri, reward, storage_options=config.storage_options, split=split, steps=steps, into=into, flow_run_id=_flow_run_id()
+        Store(config.run_uri, config.storage_options), reward, split=split, steps=steps, into=into, flow_run_id=_flow_run_id()
     )
     create_table_artifact(
         key=artifact_key(config, "rescore"),

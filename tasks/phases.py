@@ -9,11 +9,11 @@ from typing import Any
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
-from engine.config import TrellisConfig
-from engine.run.phases import Phase
-from engine.run.plan import RunPlan
-from tasks import run_tasks
-from tasks.step_tasks import PHASE_TASKS
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.phases import Phase
+from trellis.engine.run.plan import RunPlan
+from trellis.tasks import run_tasks
+from trellis.tasks.step_tasks import PHASE_TASKS
 
 
 class TaskPhases:

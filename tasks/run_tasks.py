@@ -12,16 +12,16 @@ from prefect import get_client, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
-from engine.cluster.head import connect
-from engine.cluster.ray_workers import RayWorkers
-from engine.cluster.workers import RunWorkers
-from engine.config import TrellisConfig
-from engine.errors import SettingError
-from engine.run.metrics import RunCounters
-from engine.run.loop import write_run_report
-from engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
-from engine.run.resume import plan_start, record_owner, started_by
-from engine.run.run_log import (
+from trellis.engine.cluster.head import connect
+from trellis.engine.cluster.ray_workers import RayWorkers
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.config import TrellisConfig
+from trellis.engine.errors import SettingError
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.run.loop import write_run_report
+from trellis.engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
+from trellis.engine.run.resume import plan_start, record_owner, started_by
+from trellis.engine.run.run_log import (
     RunLog,
     RunLogHandler,
     after_failure,
@@ -29,12 +29,13 @@ from engine.run.run_log import (
     record_start,
     run_log_for,
 )
-from engine.secrets import install_log_redaction, write_runtime_environment
-from engine.storage.checkpoints import require_complete
-from engine.storage.ledger import forget_after
-from engine.storage.lineage import record_run_origin
-from tasks.artifacts import artifact_key, storage_link
-from tasks.step_tasks import NOT_STORED, unless_a_setting_error
+from trellis.engine.secrets import install_log_redaction, write_runtime_environment
+from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.ledger import forget_after
+from trellis.engine.storage.lineage import record_run_origin
+from trellis.tasks.artifacts import artifact_key, storage_link
+from trellis.tasks.step_tasks import NOT_STORED, unless_a_setting_error
 
 
 @task(name="attach_workers", retries=2, retry_delay_seconds=2, retry_condition_fn=unless_a_setting_error, **NOT_STORED)
@@ -58,13 +59,13 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     resume = resume or (flow_run.get_run_count() > 1 and started_by(config, attempt))
     start = plan_start(config, resume=resume, applied_step=facts.applied_step, workers_used=facts.holds_state)
     RunWorkers(config).restore(start)
-    state = require_complete(start.checkpoint, config.storage_options) if start.checkpoint is not None else None
+    state = require_complete(Store(start.checkpoint, config.storage_options)) if start.checkpoint is not None else None
     plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
     RayWorkers(config).open_trackers(plan.first_step)
     record_run_plan(config, plan)
     record_start(config, plan, attempt=flow_run.get_run_count())
     record_run_origin(config, start)
-    forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
+    forget_after(Store(config.run_uri, config.storage_options), start.step)  # the ledger of the steps to be run again
     record_owner(config, attempt)
     logger = get_run_logger()
     if start.action != "fresh":

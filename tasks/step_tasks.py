@@ -17,13 +17,13 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
-from engine.cluster.ray_workers import RayWorkers
-from engine.config import TrellisConfig
-from engine.errors import SettingError
-from engine.run.phases import PHASES, Phase, PhaseContext, Retries, run_phase
-from engine.run.plan import RunPlan
-from engine.run.run_log import run_log_for
-from tasks.artifacts import artifact_key, storage_link
+from trellis.engine.cluster.ray_workers import RayWorkers
+from trellis.engine.config import TrellisConfig
+from trellis.engine.errors import SettingError
+from trellis.engine.run.phases import PHASES, Phase, PhaseContext, Retries, run_phase
+from trellis.engine.run.plan import RunPlan
+from trellis.engine.run.run_log import run_log_for
+from trellis.tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import lookup_task
-from engine.tiny.model import build_tiny_checkpoint
-from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
+from trellis.engine.tiny import lookup_task
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
 
 def pytest_configure(config):
@@ -89,9 +89,9 @@ def ray_cluster(tmp_path_factory):
     ``cluster.home={home}`` (``cluster`` holds address and home as config keys)."""
     import ray  # here, so that engine-only tests run where Ray is not installed (the GPU machine)
 
-    from engine.cluster.compat import use_private_ray_head
-    from engine.cluster.head import auth_token_file, head_command, head_environment, is_alive
-    from engine.config import ClusterConfig
+    from trellis.engine.cluster.compat import use_private_ray_head
+    from trellis.engine.cluster.head import auth_token_file, head_command, head_environment, is_alive
+    from trellis.engine.config import ClusterConfig
 
     port = _free_port()
     home = tmp_path_factory.mktemp("cluster-home")

@@ -4,7 +4,7 @@ import os
 import signal
 from pathlib import Path
 
-from engine.tiny.reverse_task import score
+from trellis.engine.tiny.reverse_task import score
 
 
 def kill_rollout_once(sample):

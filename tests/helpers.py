@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import fsspec
 import pyarrow.parquet as pq
 
-from engine.config.loading import load_config
+from trellis.engine.config.loading import load_config
 
 
 def tiny_config(tiny_model, reverse_data, work_dir, **changes):

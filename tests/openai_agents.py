@@ -6,7 +6,7 @@ import time
 
 import openai
 
-from engine.tiny.lookup_task import lookup
+from trellis.engine.tiny.lookup_task import lookup
 
 LOOKUP_TOOL = {
     "type": "function",

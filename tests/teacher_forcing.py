@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.algo.losses import token_logprobs
+from trellis.engine.algo.losses import token_logprobs
 
 
 def teacher_forced_gaps(model, prompts, generations, temperature):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.algo.advantages import compute_group_advantages, dr_grpo, grpo, pass_at_k, reinforce_pp_baseline, rloo
-from engine.config import AdvantageConfig
+from trellis.engine.algo.advantages import compute_group_advantages, dr_grpo, grpo, pass_at_k, reinforce_pp_baseline, rloo
+from trellis.engine.config import AdvantageConfig
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import token_logprobs
-from engine.config import AgentConfig
-from engine.data.prepare import IGNORE, build_sequence
-from engine.data.samples import RolloutSample
-from engine.rollout.agents.agent_loops import ToolLoop, build_agent_loop
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.agents.tool_calls import parse_tool_calls
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.user_code import UserCodeError
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.config import AgentConfig
+from trellis.engine.data.prepare import IGNORE, build_sequence
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rollout.agents.agent_loops import ToolLoop, build_agent_loop
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.agents.tool_calls import parse_tool_calls
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.user_code import UserCodeError
 
 CALL = '<tool_call>{"name":"echo","arguments":{"text":"%s"}}</tool_call><|im_end|>'
 TOOL_TURN = "\n<|im_start|>user\n<tool_response>\n%s\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

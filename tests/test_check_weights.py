@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.run.local import LocalRun
-from engine.run.plan import plan_step
-from engine.weights.fingerprint import WeightMismatchError, fingerprint, largest_difference
+from trellis.engine.run.local import LocalRun
+from trellis.engine.run.plan import plan_step
+from trellis.engine.weights.fingerprint import WeightMismatchError, fingerprint, largest_difference
 from helpers import tiny_config
 
 

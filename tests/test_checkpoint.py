@@ -11,10 +11,11 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
-from engine.storage.lake import LakeError
-from engine.run.local import LocalRun
-from engine.run.resume import RunExistsError, StartPlan, plan_start
+from trellis.engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.lake import LakeError
+from trellis.engine.run.local import LocalRun
+from trellis.engine.run.resume import RunExistsError, StartPlan, plan_start
 from helpers import lake_rows, logged_metrics, tiny_config
 
 FIT_METRICS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac", "mismatch/k3_kl")
@@ -44,7 +45,7 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_model, 
     run(whole)
     broken = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="broken")
     run(broken, steps=3)  # dies after step 3: the latest checkpoint is step 2
-    assert SaveStore(broken.checkpoint_uri).complete_steps() == [2]
+    assert SaveStore(Store(broken.checkpoint_uri)).complete_steps() == [2]
 
     resumed = run(broken, resume=True)
     assert resumed.plan.start.action == "restore" and resumed.plan.start.step == 2
@@ -87,7 +88,7 @@ def test_a_checkpoint_write_that_crashes_half_way_leaves_the_previous_one_to_res
     FaultyFileSystem.fail_under, FaultyFileSystem.budget = "checkpoints/step-000004", 100_000  # inside model.safetensors
     with pytest.raises(OSError, match="injected"):
         run(config)
-    store = SaveStore(config.checkpoint_uri)
+    store = SaveStore(Store(config.checkpoint_uri))
     assert store.steps_on_disk() == [2, 4] and store.complete_steps() == [2]
     half = tmp_path / "crash" / "checkpoints" / "step-000004"
     assert not (half / MARKER).exists() and (half / "model.safetensors").stat().st_size <= 100_000
@@ -102,7 +103,7 @@ def test_a_checkpoint_write_that_crashes_half_way_leaves_the_previous_one_to_res
 
 
 def test_pruning_keeps_the_newest_and_never_counts_an_incomplete_folder(tmp_path):
-    store = SaveStore(str(tmp_path / "checkpoints"))
+    store = SaveStore(Store(str(tmp_path / "checkpoints")))
     for step in (2, 4, 6):
         store.begin(step)
         store.seal(step)
@@ -123,8 +124,8 @@ def test_max_keep_for_checkpoints_and_hf_exports(tiny_model, reverse_data, tmp_p
         checkpoint_interval=1, checkpoint_maxkeep=2, hf_interval=1, hf_max_keep=1,
     )
     run(config)
-    assert SaveStore(config.checkpoint_uri).steps_on_disk() == [2, 3]
-    assert SaveStore(config.hf_uri).steps_on_disk() == [3]
+    assert SaveStore(Store(config.checkpoint_uri)).steps_on_disk() == [2, 3]
+    assert SaveStore(Store(config.hf_uri)).steps_on_disk() == [3]
 
 
 def test_the_hf_export_loads_with_from_pretrained_and_generates(tiny_model, reverse_data, tmp_path):
@@ -132,7 +133,7 @@ def test_the_hf_export_loads_with_from_pretrained_and_generates(tiny_model, reve
         tiny_model, reverse_data, tmp_path, experiment_name="hf", total_train_steps=3, checkpoint_interval=-1, hf_interval=2,
     )
     local = run(config)
-    store = SaveStore(config.hf_uri)
+    store = SaveStore(Store(config.hf_uri))
     assert store.complete_steps() == [2, 3]  # on its interval, and at the last step
     folder = store.uri(3)
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -148,7 +149,7 @@ def test_a_checkpoint_without_optimizer_state_needs_an_explicit_choice(tiny_mode
     config = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="no_optim", total_train_steps=2,
                          checkpoint_no_save_optimizer=True)
     run(config)
-    folder = SaveStore(config.checkpoint_uri).uri(2)
+    folder = SaveStore(Store(config.checkpoint_uri)).uri(2)
     assert not fsspec.filesystem("file").exists(f"{folder}/optimizer.pt")
     longer = config.model_copy(update={"total_train_steps": 3})
     with pytest.raises(CheckpointError, match="load_optimizer_states=false"):
@@ -162,7 +163,7 @@ def test_a_fresh_start_refuses_to_overwrite_checkpoints_and_incomplete_ones_are_
     run(config)
     with pytest.raises(RunExistsError, match="auto_resume=true"):
         run(config)
-    half = SaveStore(config.checkpoint_uri).begin(4)
+    half = SaveStore(Store(config.checkpoint_uri)).begin(4)
     explicit = type(config).model_validate({**config.model_dump(), "load_checkpoint_cfg": {"checkpoint_path": half}})
     with pytest.raises(CheckpointError, match="incomplete"):
         run(explicit)
@@ -192,16 +193,16 @@ def test_debug_rollout_then_debug_train_reproduces_the_first_step(tiny_model, re
 
 
 def test_the_start_plan_rules(tmp_path):
-    from engine.config import TrellisConfig
+    from trellis.engine.config import TrellisConfig
 
     def config(**changes):
-        return TrellisConfig(load_from="m", train_dataset={"path": "d"}, total_train_steps=9, work_dir=str(tmp_path),
+        return TrellisConfig(load_from="m", train_dataset={"path": "d"}, reward={"function": "r:score"}, total_train_steps=9, work_dir=str(tmp_path),
                              experiment_name="plan", **changes)
 
     assert plan_start(config(), resume=False).action == "fresh"
     assert plan_start(config(), resume=True, workers_used=True).action == "restart"  # nothing to go back to
     assert plan_start(config(), resume=False, applied_step=3).action == "continue"
-    store = SaveStore(config().checkpoint_uri)
+    store = SaveStore(Store(config().checkpoint_uri))
     for step in (2, 4):
         store.begin(step)
         (tmp_path / "plan" / "checkpoints" / f"step-00000{step}" / "train_state.json").write_text(json.dumps({"step": step}))

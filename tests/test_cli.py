@@ -13,7 +13,7 @@ COMMAND_TIMEOUT_S = 900
 
 
 def trellis(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "trellis.deployments.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=COMMAND_TIMEOUT_S)
 
 
@@ -29,7 +29,8 @@ def test_unknown_key_and_negative_interval_are_reported_without_traceback(tmp_pa
 
 def test_missing_model_path_is_reported_before_anything_starts(tmp_path, reverse_data):
     config = tmp_path / "run.yaml"
-    config.write_text(f"load_from: {tmp_path}/no-model\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 3\n")
+    config.write_text(f"load_from: {tmp_path}/no-model\ntrain_dataset: {{path: {reverse_data['train']}}}\ntotal_train_steps: 3\n"
+                      "reward: {function: 'trellis.engine.tiny.reverse_task:score'}\n")
     result = trellis("train", str(config))
     assert result.returncode == 2
     assert f"load_from: {tmp_path}/no-model does not exist" in result.stderr
@@ -72,7 +73,7 @@ def test_in_process_training_needs_no_cluster(tmp_path, tiny_model, reverse_data
 def test_a_run_sized_in_epochs_shows_its_total_steps(tmp_path, tiny_model, ray_cluster):
     """total_epochs instead of total_train_steps: the progress bar's total comes from the run plan
     (32 prompts, 16 a step, 1 epoch: 2 steps), not from the unset total_train_steps."""
-    from engine.tiny.reverse_task import write_dataset
+    from trellis.engine.tiny.reverse_task import write_dataset
 
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
     result = trellis(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cluster import environment
-from engine.cluster.environment import ClusterEnvironmentError
-from engine.cluster.workers import RunWorkers
+from trellis.engine.cluster import environment
+from trellis.engine.cluster.environment import ClusterEnvironmentError
+from trellis.engine.cluster.workers import RunWorkers
 from helpers import tiny_config
 
 

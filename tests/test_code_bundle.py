@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config.loading import load_config
-from engine.run import code_bundle
-from engine.run.code_bundle import CodeBundleError, shipped_code
-from engine.run.identity import WorkerFingerprint
+from trellis.engine.config.loading import load_config
+from trellis.engine.run import code_bundle
+from trellis.engine.run.code_bundle import CodeBundleError, shipped_code
+from trellis.engine.run.identity import WorkerFingerprint
 
 
 def make_project(root: Path) -> None:
@@ -66,7 +66,7 @@ def test_the_digest_follows_the_content(tmp_path, monkeypatch):
 
 def test_functions_of_installed_packages_ship_nothing(tmp_path):
     make_project(tmp_path / "project")
-    assert shipped_code(config_for(tmp_path / "project", reward={"function": "engine.rollout.rewards:exact_match"})) is None
+    assert shipped_code(config_for(tmp_path / "project", reward={"function": "trellis.engine.rollout.rewards:exact_match"})) is None
 
 
 def test_a_launch_folder_too_big_to_ship_says_what_to_leave_out(tmp_path, monkeypatch):

@@ -1,11 +1,14 @@
 """Every validation rule of the config, each with the message a user sees."""
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
-from engine.config.loading import ConfigError, load_config
+from trellis.engine.config.loading import ConfigError, load_config
 
-BASE = {"load_from": "/models/tiny", "train_dataset": {"path": "train.parquet"}, "total_train_steps": 10}
+BASE = {"load_from": "/models/tiny", "train_dataset": {"path": "train.parquet"}, "reward": {"function": "myreward:score"},
+        "total_train_steps": 10}
 
 
 def check(message: str, **changes):
@@ -84,11 +87,28 @@ def test_missing_required_keys_are_listed_together():
     with pytest.raises(ConfigError) as error:
         load_config(None, total_train_steps=3)
     assert "load_from: required" in str(error.value) and "train_dataset: required" in str(error.value)
+    assert "reward.function: required, but not set; name the function that scores a sample" in str(error.value)
+
+
+def test_a_run_names_its_reward_function_there_is_no_default_task():
+    """The bundled demo task is named by the configs that use it (configs/tiny_*.yaml), never taken by default."""
+    base = {key: value for key, value in BASE.items() if key != "reward"}
+    message = "reward.function: required, but not set; name the function that scores a sample, e.g. myreward:score"
+    for missing in ({}, {"reward": {"timeout_s": 5}}):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, **base, **missing)
+    task = {"name": "a", "train_dataset": {"path": "a.parquet"}}
+    with pytest.raises(ConfigError, match=re.escape("tasks[a] has no reward and reward.function is not set")):
+        load_config(None, **{**base, "train_dataset": None}, tasks=[task])
+    with pytest.raises(ConfigError, match=re.escape("tasks[a].reward.function: required, but not set")):
+        load_config(None, **{**base, "train_dataset": None}, tasks=[{**task, "reward": {"timeout_s": 5}}], reward={"function": "r:score"})
+    own = load_config(None, **{**base, "train_dataset": None}, tasks=[{**task, "reward": {"function": "mine:score"}}])
+    assert [reward.function for reward in own.rewards] == ["mine:score"]
 
 
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("load_from: /m\ntrain_dataset: {path: t.parquet}\ntotal_train_steps: 5\nrollout: {temperature: 0.9}\n")
+    path.write_text("load_from: /m\ntrain_dataset: {path: t.parquet}\nreward: {function: r:score}\ntotal_train_steps: 5\nrollout: {temperature: 0.9}\n")
     config = load_config(path, ["rollout.top_k=20", "seed=7"])
     assert (config.rollout.temperature, config.rollout.top_k, config.seed) == (0.9, 20, 7)
 

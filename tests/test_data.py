@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from engine.config import DatasetConfig
-from engine.data.prompts import DatasetError, load_prompts
+from trellis.engine.config import DatasetConfig
+from trellis.engine.data.prompts import DatasetError, load_prompts
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.flows import load_flow_from_entrypoint
 
-from deployments.render import PREFECT_YAML, bundled_configs, render
-from deployments.serve import deployment
-from engine.config import TrellisConfig
-from engine.config.loading import load_config
+from trellis.deployments.render import PREFECT_YAML, bundled_configs, render
+from trellis.deployments.serve import deployment
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +56,9 @@ def test_prefect_yaml_holds_one_deployment_of_each_flow_per_config_with_its_para
         assert deployment_spec.get("schedules") == schedules, (flow_name, name)
         if flow_name == "rescore":
             own = load_config(ROOT / "configs" / CONFIGS[name]).reward.function
-            softer = {"engine.tiny.reverse_task:score": "engine.tiny.reverse_task:partial_score"}.get(own, own)
+            softer = {"trellis.engine.tiny.reverse_task:score": "trellis.engine.tiny.reverse_task:partial_score"}.get(own, own)
             assert parameters["reward_function"] == softer, name
-    assert deployments[("rescore", "tiny-reverse")]["parameters"]["reward_function"] == "engine.tiny.reverse_task:partial_score"
+    assert deployments[("rescore", "tiny-reverse")]["parameters"]["reward_function"] == "trellis.engine.tiny.reverse_task:partial_score"
 
 
 def test_a_changed_config_changes_the_rendering(tmp_path):

@@ -21,11 +21,11 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter
 
-from engine.cluster.workers import RunWorkers
-from engine.errors import WorkerLostError
-from engine.faults import FAULT_FILE
-from engine.tiny.reverse_task import write_dataset
-from flows.rl_train import rl_train
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.errors import WorkerLostError
+from trellis.engine.faults import FAULT_FILE
+from trellis.engine.tiny.reverse_task import write_dataset
+from trellis.flows.rl_train import rl_train
 from helpers import finished_epochs, ledger_check, logged_metrics, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

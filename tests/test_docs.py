@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from engine.config import TrellisConfig
-from engine.config.reference import _models_in, config_reference
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.reference import _models_in, config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

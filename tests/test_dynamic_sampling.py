@@ -7,15 +7,15 @@ import fsspec
 import pytest
 import torch
 
-from engine.algo.advantages import opo
-from engine.algo.reward_shaping import overlong_penalty
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import AdvantageConfig
-from engine.data.prepare import prepare_train_data
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.production.dynamic_sampling import fill_batch
-from engine.rollout.production.produce import ProduceResult
-from engine.run.local import LocalRun
+from trellis.engine.algo.advantages import opo
+from trellis.engine.algo.reward_shaping import overlong_penalty
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import AdvantageConfig
+from trellis.engine.data.prepare import prepare_train_data
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.production.dynamic_sampling import fill_batch
+from trellis.engine.rollout.production.produce import ProduceResult
+from trellis.engine.run.local import LocalRun
 from helpers import lake_rows, tiny_config
 
 
@@ -114,7 +114,8 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, total_train_steps=1, train_batch_size=4, prompt_repeat_k=4,
         enable_evaluate=False, checkpoint_interval=-1, dynamic_sampling={"enable": True, "max_rounds": 3},
-        reward={"overlong_buffer_len": 4, "overlong_penalty_factor": 0.5}, rollout={"max_new_tokens": 12},
+        reward={"function": "trellis.engine.tiny.reverse_task:score", "overlong_buffer_len": 4, "overlong_penalty_factor": 0.5},
+        rollout={"max_new_tokens": 12},
     )
     with LocalRun(config) as run:
         run.run()

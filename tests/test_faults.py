@@ -18,9 +18,10 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter
 
-from engine.cluster.workers import RunWorkers
-from engine.storage.checkpoints import SaveStore
-from flows.rl_train import rl_train
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
+from trellis.flows.rl_train import rl_train
 from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_a_flow_process_killed_mid_step_resumes_to_the_same_metrics_and_trajecto
 
     interrupted = logged_metrics(config)
     assert max(interrupted) < STEPS, "the run was not interrupted"
-    latest = SaveStore(config.checkpoint_uri).latest()
+    latest = SaveStore(Store(config.checkpoint_uri)).latest()
     assert latest is not None and latest[0] < STEPS
     trainer = ray.get_actor("killed-trainer", namespace=config.ray_namespace)  # detached workers survive
     trainer_pid = ray.get(trainer.pid.remote())
@@ -124,7 +125,7 @@ def _task_runs(name: str) -> list:
 def test_a_refused_fresh_start_stays_refused_on_the_flow_retry(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """A new run over a finished one is refused; Prefect's retry of that failure must not turn it into
     a resume (only a flow run that got past its start decision resumes on retry)."""
-    from engine.run.resume import RunExistsError
+    from trellis.engine.run.resume import RunExistsError
 
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, "refused", total_train_steps=2,
                          enable_evaluate=False, enable_initial_evaluate=False)

@@ -11,7 +11,7 @@ import pytest
 import ray
 from prefect.client.orchestration import get_client
 
-from flows.rl_train import rl_train
+from trellis.flows.rl_train import rl_train
 from helpers import tiny_config
 
 
@@ -150,7 +150,7 @@ async def step_task_runs(run_name: str) -> list:
 def test_a_second_flow_run_reattaches_to_the_live_workers(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """A first flow run of 2 steps keeps its workers; a second one asking for 4 steps re-attaches to the
     same processes (their pids compared across the two runs) and trains steps 3 and 4 only."""
-    from engine.cluster.workers import RunWorkers
+    from trellis.engine.cluster.workers import RunWorkers
 
     keep = {"address": ray_cluster["address"], "release_workers_at_end": False}
     first = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="reattach", total_train_steps=2,
@@ -182,7 +182,7 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
     (in produce_batch, or in step 1's start_rollout when rollouts are launched early), Prefect retries
     the task, the retry restarts the worker with the trainer's current weights, and the run ends with
     every sample of every step in the lake exactly once."""
-    from engine.cluster.workers import RunWorkers
+    from trellis.engine.cluster.workers import RunWorkers
 
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name=f"lost_rollout_{retried_task}",
                          enable_evaluate=False, enable_initial_evaluate=False, total_train_steps=4,
@@ -212,7 +212,7 @@ def test_a_lost_rollout_worker_is_restarted_by_the_task_retry(tiny_model, revers
 def test_debug_rollout_then_debug_train_as_flow_runs(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
     """Rollout only into a lake, then training only from it: each starts only the workers it needs,
     and the replayed first step has the loss of an ordinary run's first step."""
-    from engine.run.local import LocalRun
+    from trellis.engine.run.local import LocalRun
     from helpers import logged_metrics
 
     def config(name, **changes):
@@ -238,7 +238,7 @@ def test_debug_rollout_then_debug_train_as_flow_runs(tiny_model, reverse_data, t
 
     assert [alive(rollout_only, r) for r in ("controller", "trainer", "rollout")] == [True, False, True]
     assert [alive(train_only, r) for r in ("controller", "trainer", "rollout")] == [True, True, False]
-    from engine.cluster.workers import RunWorkers
+    from trellis.engine.cluster.workers import RunWorkers
 
     RunWorkers(rollout_only).release()
     RunWorkers(train_only).release()

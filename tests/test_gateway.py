@@ -17,18 +17,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import token_logprobs
-from engine.config import AgentConfig
-from engine.config.loading import load_config
-from engine.data.prepare import IGNORE, build_sequence
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.agents.agent_loops import build_agent_loop
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.agents.chat_session import ChatSession
-from engine.rollout.agents.gateway import Gateway
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.tiny import lookup_task
-from flows.rl_train import rl_train
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.config import AgentConfig
+from trellis.engine.config.loading import load_config
+from trellis.engine.data.prepare import IGNORE, build_sequence
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.agents.agent_loops import build_agent_loop
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.agents.chat_session import ChatSession
+from trellis.engine.rollout.agents.gateway import Gateway
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.tiny import lookup_task
+from trellis.flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
@@ -63,7 +63,7 @@ def test_an_openai_agents_sessions_are_the_tool_loops_token_for_token(lookup):
     that runs the tool itself over the gateway: the same ids, masks and tool calls; the trainer's
     logprobs match the gateway's on every generated token."""
     through_gateway, _ = run_loop(lookup["model"], loop="openai", entrypoint="openai_agents:lookup_agent")
-    built_in, _ = run_loop(lookup["model"], loop="tool", tools="engine.tiny.lookup_task:TOOLS", max_turns=3)
+    built_in, _ = run_loop(lookup["model"], loop="tool", tools="trellis.engine.tiny.lookup_task:TOOLS", max_turns=3)
     for ours, reference in zip(through_gateway, built_in):
         assert ours.prompt_ids == reference.prompt_ids
         assert ours.response_ids == reference.response_ids and ours.response_mask == reference.response_mask

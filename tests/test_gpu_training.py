@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config.loading import load_config
-from engine.data.prepare import IGNORE, PreparedBatch, TrainSequence
-from engine.train.worker import TrainingWorker
-from engine.train.varlen_attention import fa4_unavailable, varlen_attention, varlen_attention_fa4
+from trellis.engine.config.loading import load_config
+from trellis.engine.data.prepare import IGNORE, PreparedBatch, TrainSequence
+from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.train.varlen_attention import fa4_unavailable, varlen_attention, varlen_attention_fa4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -72,6 +72,7 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
             None,
             load_from=str(tiny_model),
             train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+            reward={"function": "trellis.engine.tiny.reverse_task:score"},
             total_train_steps=3,
             train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
         )
@@ -86,7 +87,7 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
 def test_compiled_head_equals_full_logits_autograd():
     """The chunked head (compiled on CUDA, bf16 under autocast, T=0.7, uneven last chunk) against
     log_softmax of the same bf16 logits with autograd: logprobs, entropies and both gradients."""
-    from engine.train.logprob_head import label_logprobs
+    from trellis.engine.train.logprob_head import label_logprobs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 5000, bias=False).cuda()

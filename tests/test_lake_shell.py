@@ -22,10 +22,10 @@ import typer
 from matplotlib.image import imread
 from typer.testing import CliRunner
 
-from deployments.cli_lake import runs_app, trajectories_app
-from engine.run.local import LocalRun
-from engine.storage.lake_query import QueryError, query
-from engine.storage.runs import RunRef
+from trellis.deployments.cli_lake import runs_app, trajectories_app
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.lake_query import QueryError, query
+from trellis.engine.storage.runs import RunRef
 from helpers import moto_s3_server, tiny_config
 
 RUN = "lake"

@@ -17,7 +17,7 @@ LAYERS = ("engine", "tasks", "flows", "deployments")
 FLOWS_MAY_IMPORT = {"engine.config", "engine.run.plan", "engine.run.step", "engine.run.loop", "engine.run.metrics"}
 
 
-def imported_modules(path: Path) -> set[str]:
+def written_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -27,14 +27,19 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def imported_modules(path: Path) -> set[str]:
+    """The modules ``path`` imports, trellis's named by their layer (trellis.engine.x -> engine.x)."""
+    return {name.removeprefix("trellis.") for name in written_imports(path)}
+
+
 def sources(*folders: str) -> list[Path]:
     return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
 
 
-def offenders(paths: list[Path], forbidden) -> dict[str, list[str]]:
+def offenders(paths: list[Path], forbidden, imports=imported_modules) -> dict[str, list[str]]:
     found = {}
     for path in paths:
-        bad = sorted(name for name in imported_modules(path) if forbidden(name))
+        bad = sorted(name for name in imports(path) if forbidden(name))
         if bad:
             found[str(path.relative_to(ROOT))] = bad
     return found
@@ -42,6 +47,14 @@ def offenders(paths: list[Path], forbidden) -> dict[str, list[str]]:
 
 def root_of(name: str) -> str:
     return name.split(".")[0]
+
+
+def test_trellis_is_imported_by_its_one_name():
+    """trellis's packages are trellis.engine, trellis.tasks, ...: a bare ``import engine`` would load a
+    second copy of a module (two classes for one isinstance, two registries) where the checkout is on
+    sys.path, and a user's own ``tasks`` package wherever a project has one."""
+    paths = [path for folder in (*LAYERS, "bench", "tests", "examples", "docs") for path in sorted((ROOT / folder).rglob("*.py"))]
+    assert offenders(paths, lambda name: root_of(name) in LAYERS, written_imports) == {}
 
 
 @pytest.mark.parametrize(
@@ -131,7 +144,7 @@ def rollout_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name.startswith("engine.rollout.")}
+    return {name.removeprefix("trellis.") for name in names if name.startswith("trellis.engine.rollout.")}
 
 
 def test_the_rollout_subpackages_import_down_and_their_modules_in_no_circle():
@@ -151,7 +164,7 @@ def test_the_rollout_subpackages_import_down_and_their_modules_in_no_circle():
 def test_no_code_asks_for_a_rollout_backend_by_its_name():
     """What a backend needs or can do is a field of its registry entry (engine.config.backends), never a
     comparison such as ``config.rollout.backend == "vllm"``, so adding a backend adds a row."""
-    from engine.config.backends import configurable_backends
+    from trellis.engine.config.backends import configurable_backends
 
     names = configurable_backends()
 

@@ -4,8 +4,8 @@ import json
 
 import pyarrow.dataset as ds
 
-from engine.config.loading import load_config
-from engine.run.local import LocalRun
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.local import LocalRun
 
 
 def test_fifty_grpo_steps_lift_held_out_greedy_accuracy(tiny_model, reverse_data, tmp_path):

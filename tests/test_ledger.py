@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.run.local import LocalRun
-from engine.storage.ledger import EXACTLY_ONCE
-from engine.storage.ledger_check import check_ledger
-from engine.tiny.reverse_task import write_dataset
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.ledger import EXACTLY_ONCE
+from trellis.engine.storage.ledger_check import check_ledger
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny.reverse_task import write_dataset
 from helpers import lake_rows, moto_s3_server, tiny_config
 
 PROMPTS = 40
@@ -70,7 +71,7 @@ def test_a_run_with_dynamic_sampling_ends_every_prompt_it_draws_once(filtered_ru
     """Tried: the colocated trainer with dynamic sampling, 6 steps over 40 prompts. Filtered groups
     are not trained, so the sampler goes through more than one epoch; each of those prompts has one
     `filtered` row with its reason, the trained ones one `trained` row, and the lake agrees."""
-    check = check_ledger(filtered_run.run_uri)
+    check = check_ledger(Store(filtered_run.run_uri))
     assert check.ok, check
     finished = [epoch for epoch in check.epochs if epoch.finished]
     assert finished and finished[0].epoch == 0
@@ -134,7 +135,7 @@ def test_an_asynchronous_run_with_dynamic_sampling_records_the_groups_its_produc
         tiny_model, tmp_path, "async_filtered", trainer="disaggregated", replay_buffer={"max_staleness": 1},
         dynamic_sampling={"enable": True}, total_train_steps=8,
     ))
-    check = check_ledger(config.run_uri)
+    check = check_ledger(Store(config.run_uri))
     assert check.ok, check
     assert sum(epoch.statuses["filtered"] for epoch in check.epochs) > 0
     assert check.epochs[0].finished
@@ -152,11 +153,11 @@ def test_groups_too_stale_after_a_resume_are_given_up_or_made_again(tiny_model, 
     With tail_batch_trigger_size -1 they are `given_up` (their prompts end there); otherwise they
     `expire`, and their prompts are made again and trained later (or are still open at the end)."""
     config = train(small_config(tiny_model, tmp_path, "stale", trainer="disaggregated", replay_buffer={"max_staleness": 2}, total_train_steps=4))
-    buffered = sum(epoch.open for epoch in check_ledger(config.run_uri).epochs)
+    buffered = sum(epoch.open for epoch in check_ledger(Store(config.run_uri)).epochs)
     assert buffered > 0  # what the resume will find too stale
     stricter = {"max_staleness": 0, "tail_batch_trigger_size": tail_batch_trigger_size}
     train(config.model_copy(update={"total_train_steps": 8, "replay_buffer": config.replay_buffer.model_copy(update=stricter)}), resume=True)
-    check = check_ledger(config.run_uri)
+    check = check_ledger(Store(config.run_uri))
     assert check.ok, check
     rows = ledger_rows(config)
     dropped = [row for row in rows if row["status"] == status]
@@ -174,7 +175,7 @@ def test_a_multi_task_run_keeps_a_ledger_per_task(tiny_model, tmp_path):
         {"name": "long", "weight": 2, "train_dataset": {"path": str(long), "max_prompt_length": 64}},
         {"name": "short", "weight": 1, "train_dataset": {"path": str(short), "max_prompt_length": 64}},
     ])
-    check = check_ledger(train(config).run_uri)
+    check = check_ledger(Store(train(config).run_uri))
     assert check.ok, check
     assert {(epoch.sampler, epoch.prompts) for epoch in check.epochs} >= {("long", PROMPTS), ("short", 24)}
     assert sum(epoch.statuses["trained"] for epoch in check.epochs) == 6 * 8

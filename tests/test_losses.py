@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.config import LossConfig, RolloutISConfig
-from engine.algo.losses import (
+from trellis.engine.config import LossConfig, RolloutISConfig
+from trellis.engine.algo.losses import (
     aggregate, kl_penalty, mismatch_sums, policy_objective, ppo_clip_loss, rollout_is_weights, token_logprobs,
 )
 

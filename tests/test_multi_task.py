@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from engine.config.loading import ConfigError, load_config
-from engine.run.local import LocalRun
-from engine.storage.checkpoints import load_object
-from engine.tiny import reverse_task
+from trellis.engine.config.loading import ConfigError, load_config
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.checkpoints import load_object
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny import reverse_task
 from helpers import lake_rows, logged_metrics
 
 
@@ -29,7 +30,7 @@ def mixed_config(lookup, reverse_prompts, work_dir, **changes):
          "train_dataset": {"path": str(lookup["train"]), "max_prompt_length": 64},
          "eval_dataset": {"path": str(lookup["eval"]), "max_prompt_length": 64, "limit": 32}},
         {"name": "reverse", "weight": 1.0, "agent": {"loop": "single_turn"},
-         "reward": {"function": "engine.tiny.reverse_task:score"}, "temperature": 0.0, "max_new_tokens": 12,
+         "reward": {"function": "trellis.engine.tiny.reverse_task:score"}, "temperature": 0.0, "max_new_tokens": 12,
          "train_dataset": {"path": str(reverse_prompts["train"]), "max_prompt_length": 64},
          "eval_dataset": {"path": str(reverse_prompts["eval"]), "max_prompt_length": 64, "limit": 16}},
     ]
@@ -145,7 +146,7 @@ def test_the_asynchronous_trainer_mixes_tasks_too(lookup, reverse_prompts, tmp_p
     assert all(json.loads(row["agent"])["loop"] == "tool" for row in rows if row["task_name"] == "lookup")
     assert all(row["agent"] is None for row in rows if row["task_name"] == "reverse")
 
-    sampler = load_object(f"{config.run_uri}/checkpoints/step-000003/controller.pt")["sampler"]
+    sampler = load_object(Store(f"{config.run_uri}/checkpoints/step-000003/controller.pt"))["sampler"]
     drawn = {task: sampler["tasks"][task]["consumed"] for task in ("lookup", "reverse")}
     assert drawn["lookup"] + drawn["reverse"] >= 3 * 48
     assert_drawn_by_weight(drawn["lookup"], drawn["lookup"] + drawn["reverse"])

@@ -13,19 +13,20 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from engine.cluster.workers import RunWorkers
-from engine.data.prepare import prepare_train_data
-from engine.data.prompts import load_prompts
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.backends.pool import RolloutPool, spread_by_load
-from engine.rollout.production.produce import rollout_groups, sampling_params
-from engine.rollout.rewards.runner import RewardRunner
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.storage.checkpoints import SaveStore
-from engine.train.packing import split_by_tokens
-from engine.train.sharded_checkpoint import is_sharded
-from engine.train.worker import TrainingWorker
-from flows.rl_train import rl_train
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.data.prepare import prepare_train_data
+from trellis.engine.data.prompts import load_prompts
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.backends.pool import RolloutPool, spread_by_load
+from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
+from trellis.engine.train.packing import split_by_tokens
+from trellis.engine.train.sharded_checkpoint import is_sharded
+from trellis.engine.train.worker import TrainingWorker
+from trellis.flows.rl_train import rl_train
 from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
 
 COMPARED = ("pg_loss", "grad_norm", "entropy", "kl", "clipfrac", "mismatch/k3_kl")
@@ -73,7 +74,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
                 uri = str(tmp_path / "ckpt")
                 workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri, {}) for rank in ranks])
                 one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
-                assert one_rank.load_checkpoint(uri, {}) == 1
+                assert one_rank.load_checkpoint(Store(uri)) == 1
             sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
             single = one_rank.fit(batch, step)
             assert all(result.metrics == sharded[0].metrics for result in sharded)  # every rank reports the whole step
@@ -135,8 +136,8 @@ def test_two_ranks_and_two_rollout_workers_learn_the_bundled_task(tiny_model, re
     rl_train(config)
     metrics = logged_metrics(config)
     assert 0.3 <= metrics[0]["eval/accuracy"] <= 0.5 and metrics[50]["eval/accuracy"] >= 0.75, (metrics[0], metrics[50])
-    assert SaveStore(config.checkpoint_uri).complete_steps() == [25, 50]
-    assert is_sharded(f"{config.checkpoint_uri}/step-000050", {})
+    assert SaveStore(Store(config.checkpoint_uri)).complete_steps() == [25, 50]
+    assert is_sharded(Store(f"{config.checkpoint_uri}/step-000050"))
 
 
 @pytest.mark.parametrize(
@@ -150,7 +151,7 @@ def test_two_ranks_and_two_rollout_workers_learn_the_bundled_task(tiny_model, re
 )
 def test_the_run_plan_counts_each_sides_devices(tiny_model, reverse_data, tmp_path, trainer, train, rollout, on_gpu, devices):
     """What the per-device throughput/* divide by, from the config and where the workers landed."""
-    from engine.run.plan import WorkerFacts, run_devices
+    from trellis.engine.run.plan import WorkerFacts, run_devices
 
     config = tiny_config(tiny_model, reverse_data, tmp_path, trainer=trainer,
                          train_resources={"num_workers": train[0], "accelerators_per_worker": train[1]},
@@ -237,7 +238,7 @@ def test_a_trainer_rank_killed_mid_run_is_rebuilt_with_its_group_and_the_run_res
 
 
 def test_the_in_process_runner_refuses_several_workers_per_side(tiny_model, reverse_data, tmp_path):
-    from engine.run.local import LocalRun
+    from trellis.engine.run.local import LocalRun
 
     config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2})
     with pytest.raises(ValueError, match="without --in-process"):

@@ -13,8 +13,8 @@ import duckdb
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter
 
-from engine.run.local import LocalRun
-from flows.rl_train import rl_train
+from trellis.engine.run.local import LocalRun
+from trellis.flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, tiny_config
 
 

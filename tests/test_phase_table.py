@@ -8,8 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engine.run.phases import PHASES
-from tasks.step_tasks import PHASE_TASKS, unless_a_setting_error
+from trellis.engine.run.phases import PHASES
+from trellis.tasks.step_tasks import PHASE_TASKS, unless_a_setting_error
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,12 +3,13 @@ groups hold their devices, and a run that cannot fit refused at once."""
 
 import pytest
 
-from engine.cluster.placement import GpuPlacementError, check_fits, decide_placement
-from engine.config.loading import load_config
+from trellis.engine.cluster.placement import GpuPlacementError, check_fits, decide_placement
+from trellis.engine.config.loading import load_config
 
 
 def _config(**changes):
-    return load_config(None, load_from="m", train_dataset={"path": "d.parquet"}, total_train_steps=1, **changes)
+    return load_config(None, load_from="m", train_dataset={"path": "d.parquet"}, reward={"function": "r:score"}, total_train_steps=1,
+                       **changes)
 
 
 def gpu_requests(config, cluster_gpus: float) -> dict:

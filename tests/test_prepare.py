@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from engine.config import AdvantageConfig
-from engine.train.packing import pack, to_padded
-from engine.data.prepare import IGNORE, TrainSequence, build_sequence, prepare_train_data
-from engine.data.samples import RolloutSample, Status
+from trellis.engine.config import AdvantageConfig
+from trellis.engine.train.packing import pack, to_padded
+from trellis.engine.data.prepare import IGNORE, TrainSequence, build_sequence, prepare_train_data
+from trellis.engine.data.samples import RolloutSample, Status
 
 
 def sample(rollout_id, reward, *, session=None, response=(4, 5, 6), mask=None, status=Status.COMPLETED):

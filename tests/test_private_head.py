@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from conftest import _free_port
-from engine.cluster.head import auth_token_file, recorded_address, start_head, stop_head
-from engine.config import ClusterConfig
+from trellis.engine.cluster.head import auth_token_file, recorded_address, start_head, stop_head
+from trellis.engine.config import ClusterConfig
 
 CONNECTED = "connected, and ran a task:"
 # A client as a user writes it: attach to the address and run one task there.

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from engine.config.loading import load_config
-from engine.data.prompts import PromptRecord
-from engine.data.sampler import PromptSampler
-from engine.rollout.agents.agent_loops import SingleTurnLoop
-from engine.rollout.backends.base import Generation, in_order
-from engine.rollout.production.producer import Producer, ProducerFailure
-from engine.rollout.production.prompt_ledger import PromptLedger
-from engine.rollout.rewards.runner import RewardRunner
-from engine.storage.ledger import SINGLE_TASK
+from trellis.engine.config.loading import load_config
+from trellis.engine.data.prompts import PromptRecord
+from trellis.engine.data.sampler import PromptSampler
+from trellis.engine.rollout.agents.agent_loops import SingleTurnLoop
+from trellis.engine.rollout.backends.base import Generation, in_order
+from trellis.engine.rollout.production.producer import Producer, ProducerFailure
+from trellis.engine.rollout.production.prompt_ledger import PromptLedger
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.ledger import SINGLE_TASK
 
 BATCH = 2
 # A deadline for what takes the producer well under a second: waits end as soon as it is done, and a

@@ -14,18 +14,19 @@ from typing import get_args
 import pytest
 import torch
 
-from engine.algo.advantages import ESTIMATORS, estimator, grpo, pass_at_k, rloo
-from engine.config import AdvantageConfig
-from engine.config.backends import ROLLOUT_BACKENDS, backend_traits, configurable_backends
-from engine.config.loading import ConfigError, load_config
-from engine.devices import rollout_device
-from engine.rollout.backends.registry import BUILDERS, build_rollout_backend
+from trellis.engine.algo.advantages import ESTIMATORS, estimator, grpo, pass_at_k, rloo
+from trellis.engine.config import AdvantageConfig
+from trellis.engine.config.backends import ROLLOUT_BACKENDS, backend_traits, configurable_backends
+from trellis.engine.config.loading import ConfigError, load_config
+from trellis.engine.devices import rollout_device
+from trellis.engine.rollout.backends.registry import BUILDERS, build_rollout_backend
 
 ROLLOUT = Path(__file__).resolve().parents[1] / "engine" / "rollout" / "backends"
 # Where each backend's class is: read as source, so that vLLM need not be installed.
 BACKEND_CLASSES = {"transformers": (ROLLOUT / "transformers_backend.py", "TransformersRollout"),
                    "vllm": (ROLLOUT / "vllm_backend.py", "VllmRollout")}
 ON_CPU = {"train_worker": {"device": "cpu"}, "load_from": "my-model", "train_dataset": {"path": "prompts.parquet"},
+          "reward": {"function": "myreward:score"},
           "total_train_steps": 1}
 
 

@@ -13,9 +13,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from deployments.cli_report import report
-from engine.run.local import LocalRun
-from engine.storage.report import PANELS, ReportError, panel_figure, png_of, write_report
+from trellis.deployments.cli_report import report
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.report import PANELS, ReportError, panel_figure, png_of, write_report
+from trellis.engine.storage.store import Store
 from helpers import moto_s3_server, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -114,7 +115,7 @@ def test_the_report_plots_each_logged_panel_and_embeds_them_in_one_html_page(run
     """Each panel plots the metrics.jsonl series it names, at their steps. Tried: plotting every line of
     a subplot with its first key's series, and drawing the panels from all records but the first
     (``records[1:]`` in ``write_report``): both fail here."""
-    written = write_report(str(run_folder), str(tmp_path / "out"))
+    written = write_report(Store(str(run_folder)), str(tmp_path / "out"))
 
     assert set(written.png_uris) == COLOCATED_PANELS  # no staleness panel: the run is colocated
     page = Path(written.html_uri).read_text()
@@ -128,7 +129,7 @@ def test_the_report_plots_each_logged_panel_and_embeds_them_in_one_html_page(run
 
 
 def test_the_default_output_is_the_run_folder_s_report_folder(run_folder):
-    written = write_report(str(run_folder))
+    written = write_report(Store(str(run_folder)))
     assert written.html_uri == f"{run_folder}/report/index.html" and Path(written.html_uri).is_file()
     assert written.png_uris["reward"] == f"{run_folder}/report/reward.png"
 
@@ -139,7 +140,7 @@ def test_the_headline_figures_are_the_metrics_file_s(run_folder, tmp_path):
     evaluated = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evaluated] == [0, 3] and "eval/pass@4" in evaluated[-1]
 
-    headline = write_report(str(run_folder), str(tmp_path)).headline
+    headline = write_report(Store(str(run_folder)), str(tmp_path)).headline
 
     assert headline["steps"] == 3
     assert headline["reward_first"] == trained[0]["response/rewards/mean"]
@@ -153,7 +154,7 @@ def test_the_headline_figures_are_the_metrics_file_s(run_folder, tmp_path):
 
 
 def test_the_markdown_summary_has_the_headline_and_links_the_page(run_folder, tmp_path):
-    written = write_report(str(run_folder), str(tmp_path))
+    written = write_report(Store(str(run_folder)), str(tmp_path))
     summary = written.markdown()
     assert "| Steps | 3 |" in summary
     assert f"{written.headline['reward_first']:.3f} → {written.headline['reward_last']:.3f}" in summary
@@ -168,7 +169,7 @@ def test_an_asynchronous_run_s_staleness_gets_its_panel(run_folder, tmp_path):
         record.update({"async/staleness_mean": 0.5 * record["step"], "async/staleness_max": 1.0})
     (run / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
 
-    written = write_report(str(run))
+    written = write_report(Store(str(run)))
 
     assert set(written.png_uris) == COLOCATED_PANELS | {"staleness"}
     assert_plot(Path(written.png_uris["staleness"]).read_bytes(), "staleness", records)
@@ -178,7 +179,7 @@ def test_an_asynchronous_run_s_staleness_gets_its_panel(run_folder, tmp_path):
 def test_a_panel_without_its_metrics_is_left_out_instead_of_drawn_empty(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.4}) + "\n")
-    written = write_report(str(tmp_path))
+    written = write_report(Store(str(tmp_path)))
     assert set(written.png_uris) == {"eval"} and written.headline == {
         "steps": 0, "eval_accuracy_first": 0.4, "eval_accuracy_last": 0.4,
     }
@@ -188,10 +189,10 @@ def test_a_panel_without_its_metrics_is_left_out_instead_of_drawn_empty(tmp_path
 def test_a_run_without_metrics_is_a_clear_error(tmp_path):
     (tmp_path / "logs").mkdir()
     with pytest.raises(ReportError, match="has no metrics yet: .*metrics.jsonl does not exist"):
-        write_report(str(tmp_path))
+        write_report(Store(str(tmp_path)))
     (tmp_path / "logs" / "metrics.jsonl").write_text("")
     with pytest.raises(ReportError, match="has no metrics yet: .*holds no step"):
-        write_report(str(tmp_path))
+        write_report(Store(str(tmp_path)))
 
     result = CliRunner().invoke(cli(), ["report", str(tmp_path)])
     assert result.exit_code == 2 and "has no metrics yet" in result.stderr
@@ -218,7 +219,7 @@ def test_a_report_of_a_run_on_s3_is_written_to_s3(run_folder, tmp_path):
         s3.mkdir("reports")
         s3.put(f"{local}/", "reports/runs/reported/", recursive=True)
 
-        written = write_report("s3://reports/runs/reported", storage_options=storage)
+        written = write_report(Store("s3://reports/runs/reported", storage))
 
         assert written.html_uri == "s3://reports/runs/reported/report/index.html"
         assert set(written.png_uris) == COLOCATED_PANELS

@@ -1,15 +1,17 @@
 """Reward functions that misbehave fail their own sample, with the reason, and never the step."""
 
 import fcntl
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from engine.config import RewardConfig
-from engine.rollout.rewards import exact_match, math_answer
-from engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.config import RewardConfig
+from trellis.engine.rollout.rewards import exact_match, math_answer
+from trellis.engine.rollout.rewards.runner import RewardRunner
 
 
 # Reward functions a user might write; referenced by `module:function` like real ones.
@@ -39,7 +41,7 @@ def test_a_raising_function_fails_only_its_sample():
 
 
 def test_a_function_that_sleeps_forever_times_out_and_the_pool_recovers():
-    config = RewardConfig(function=f"{__name__}:sleeps_forever", timeout_s=0.5, by_data_source={"fast": "engine.rollout.rewards:exact_match"})
+    config = RewardConfig(function=f"{__name__}:sleeps_forever", timeout_s=0.5, by_data_source={"fast": "trellis.engine.rollout.rewards:exact_match"})
     with RewardRunner(config) as runner:
         started = time.perf_counter()
         (stuck,) = runner.score(_samples("a"))
@@ -57,9 +59,18 @@ def test_non_numeric_results_fail_with_what_was_returned():
 
 def test_unknown_function_is_refused_at_start():
     with pytest.raises(ValueError, match="defines no 'nope'"):
-        RewardRunner(RewardConfig(function="engine.rollout.rewards:nope"))
+        RewardRunner(RewardConfig(function="trellis.engine.rollout.rewards:nope"))
     with pytest.raises(ValueError, match="must look like 'package.module:function'"):
-        RewardRunner(RewardConfig(function="engine.rollout.rewards"))
+        RewardRunner(RewardConfig(function="trellis.engine.rollout.rewards"))
+
+
+def test_a_spec_from_before_the_trellis_namespace_is_told_its_new_name(tmp_path):
+    """In a process of its own, launched from a project folder: this session's sys.path may hold the
+    checkout, where a bare ``engine`` imports (Prefect leaves the folder it loads a flow file from there)."""
+    check = "from trellis.engine.rollout.rewards.runner import resolve_function; resolve_function('engine.rollout.rewards:exact_match')"
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "no module 'engine.rollout.rewards'" in result.stderr, result.stderr
+    assert "trellis's own is 'trellis.engine.rollout.rewards'" in result.stderr
 
 
 def test_builtin_exact_match_and_math_verifier():

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 from teacher_forcing import teacher_forced_gaps
 
 BACKENDS = [
@@ -30,7 +30,7 @@ _VLLM: dict[str, object] = {}
 def make_backend(name, model_dir, tokenizer):
     if name == "transformers":
         return TransformersRollout(str(model_dir), tokenizer)
-    from engine.rollout.backends.vllm_backend import VllmRollout  # only importable where vLLM is installed
+    from trellis.engine.rollout.backends.vllm_backend import VllmRollout  # only importable where vLLM is installed
 
     # One engine per session: a second one would not find the GPU memory the first one holds.
     # Every test starts from the tiny model's own weights (the last test changes them).

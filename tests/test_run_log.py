@@ -14,11 +14,12 @@ from pathlib import Path
 import fsspec
 import yaml
 
-from engine.config.loading import load_config
-from engine.run.run_log import RunLog, console_lines, read_run_log
-from engine.tiny.reverse_task import make_rows
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.run_log import RunLog, console_lines, read_run_log
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny.reverse_task import make_rows
 from helpers import moto_s3_server
-from tasks.artifacts import console_link, storage_link
+from trellis.tasks.artifacts import console_link, storage_link
 
 ROOT = Path(__file__).resolve().parents[1]
 TRELLIS = str(Path(sys.executable).with_name("trellis"))
@@ -65,11 +66,11 @@ def test_the_run_log_on_object_storage_keeps_every_process_lines():
     with moto_s3_server() as endpoint:
         options = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
         fsspec.filesystem("s3", **options).mkdir("logs-bucket")
-        first, second = RunLog("s3://logs-bucket/run/logs", options), RunLog("s3://logs-bucket/run/logs", options)
+        first, second = RunLog(Store("s3://logs-bucket/run/logs", options)), RunLog(Store("s3://logs-bucket/run/logs", options))
         first.info("run r: a fresh start, 2 steps")
         first.step("step 1/2  reward 0.5")
         second.warning("step 2: 3 sample(s) failed")  # a second process (a retried flow run) appends, not replaces
-        text = read_run_log("s3://logs-bucket/run/logs/run.log", options)
+        text = read_run_log(Store("s3://logs-bucket/run/logs/run.log", options))
     assert [line.split(" ", 3)[2] for line in text.splitlines()] == ["INFO", "STEP", "WARNING"]
     assert console_lines(text) == ["run r: a fresh start, 2 steps", "warning: step 2: 3 sample(s) failed"]
 

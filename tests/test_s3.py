@@ -14,8 +14,9 @@ import pytest
 from prefect.client.orchestration import get_client
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.storage.checkpoints import SaveStore
-from flows.rl_train import rl_train
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
+from trellis.flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, moto_s3_server, tiny_config
 
 BUCKET = "trellis-test"
@@ -40,13 +41,13 @@ def test_a_run_on_s3_stores_everything_there_resumes_from_it_and_leaks_no_secret
         total_train_steps=2, hf_interval=2, exp_tracker="tensorboard", cluster={"address": ray_cluster["address"]},
     )
     rl_train(config)
-    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2]
+    assert SaveStore(Store(config.checkpoint_uri, storage)).complete_steps() == [2]
 
     longer = config.model_copy(update={"total_train_steps": 3, "auto_resume": True})
     rl_train(longer)  # new workers; everything they start from is read back from S3
 
-    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2, 3]
-    assert SaveStore(config.hf_uri, storage).complete_steps() == [2, 3]
+    assert SaveStore(Store(config.checkpoint_uri, storage)).complete_steps() == [2, 3]
+    assert SaveStore(Store(config.hf_uri, storage)).complete_steps() == [2, 3]
     rows = lake_rows(config)
     assert sorted({r["train_step"] for r in rows}) == [1, 2, 3] and len(rows) == 3 * 128
     assert [r["policy_version"] for r in rows if r["train_step"] == 3][0] == 2  # the restored weights sampled step 3
@@ -82,7 +83,7 @@ def test_credentials_in_the_launching_shell_follow_the_run_to_a_cluster_started_
         total_train_steps=2, enable_initial_evaluate=False, cluster={"address": ray_cluster["address"]},
     )
     rl_train(config)
-    assert SaveStore(config.checkpoint_uri, storage).complete_steps() == [2]
+    assert SaveStore(Store(config.checkpoint_uri, storage)).complete_steps() == [2]
     assert len(lake_rows(config)) == 2 * 128
     _assert_nowhere([key, secret], s3, "shell-creds/runs/shell_creds")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.data.sampler import PromptSampler
+from trellis.engine.data.sampler import PromptSampler
 
 
 def test_resume_continues_the_same_order_across_epochs():

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from engine.config import TrellisConfig
-from engine.config.loading import ConfigError, load_config
-from engine.secrets import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.loading import ConfigError, load_config
+from trellis.engine.secrets import (
     REDACTED,
     install_log_redaction,
     redact,
@@ -64,7 +64,7 @@ def test_log_records_are_scrubbed_whoever_logs_them(monkeypatch, caplog):
 
 def test_a_config_never_serializes_its_storage_credentials():
     options = {"key": "AKIA-EXAMPLE-1234", "secret": "s3cr3t-example-5678", "endpoint_url": "http://127.0.0.1:9000"}
-    config = TrellisConfig(load_from="m", train_dataset={"path": "d", "storage_options": options},
+    config = TrellisConfig(load_from="m", train_dataset={"path": "d", "storage_options": options}, reward={"function": "r:score"},
                            total_train_steps=1, storage_options=options)
     assert config.storage_options["secret"] == "s3cr3t-example-5678"  # the run itself uses the real value
     dumped = config.model_dump_json()
@@ -92,8 +92,8 @@ def test_tracebacks_and_reward_errors_are_scrubbed_too():
     stored with the sample carries it."""
     import io
 
-    from engine.config import RewardConfig
-    from engine.rollout.rewards.runner import RewardRunner
+    from trellis.engine.config import RewardConfig
+    from trellis.engine.rollout.rewards.runner import RewardRunner
 
     secret = "AKIA-LEAKY-0123456789"
     install_log_redaction({"aws_secret_access_key": secret})

@@ -24,16 +24,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from engine.storage.checkpoints import CheckpointError
-from engine.tiny.model import build_tiny_checkpoint
-from engine.train import fsdp
-from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from trellis.engine.storage.checkpoints import CheckpointError
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.train import fsdp
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from helpers import moto_s3_server
 
 BUCKET = "sharded"
 # What the ranks import, imported once by the forkserver (it cannot import this module itself: the
 # forkserver of Python 3.11 ignores the sys.path that puts tests/ on it).
-PRELOAD = ["pytest", "s3fs", "transformers.models.auto.modeling_auto", "engine.tiny.model", "engine.train.sharded_checkpoint"]
+PRELOAD = ["pytest", "s3fs", "transformers.models.auto.modeling_auto", "trellis.engine.tiny.model", "trellis.engine.train.sharded_checkpoint"]
 
 
 # -- fixtures -----------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def test_two_ranks_write_only_their_own_shards(saved):
     for part in ("model", "optim"):
         files = sorted(p.name for p in Path(saved["local"], part).iterdir())
         assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert is_sharded(saved["local"], {}) and is_sharded(f"file://{saved['local']}", {})
+    assert is_sharded(Store(saved["local"])) and is_sharded(Store(f"file://{saved['local']}"))
 
 
 def test_loads_at_world_size_one_without_a_process_group_and_with_fsdp(model_dir, saved):
@@ -90,11 +91,11 @@ def test_loads_at_world_size_four(model_dir, saved):
 
 
 def test_loads_from_s3_at_world_size_one(model_dir, saved, s3_options):
-    assert is_sharded(saved["s3"], s3_options)
+    assert is_sharded(Store(saved["s3"], s3_options))
     assert fsspec.filesystem("s3", **s3_options).exists(f"{BUCKET}/run/step-000001/optim/__1_0.distcp")
     policy, optimizer = _build(model_dir, sharded=False)
     model = policy.model
-    load_sharded(saved["s3"], s3_options, model, optimizer)
+    load_sharded(Store(saved["s3"], s3_options), model, optimizer)
     _assert_restored(model, optimizer, saved["reference"])
 
 
@@ -102,22 +103,22 @@ def test_a_missing_or_incomplete_folder_is_refused_by_name(model_dir, tmp_path):
     policy, optimizer = _build(model_dir, sharded=False)
     model = policy.model
     missing = tmp_path / "step-000009"
-    assert not is_sharded(str(missing), {})
+    assert not is_sharded(Store(str(missing)))
     with pytest.raises(CheckpointError, match=f"{re.escape(str(missing))} does not exist"):
-        load_sharded(str(missing), {}, model, optimizer)
+        load_sharded(Store(str(missing)), model, optimizer)
     missing.mkdir()
     with pytest.raises(CheckpointError, match=r"holds no sharded checkpoint \(no model/.metadata\)"):
-        load_sharded(str(missing), {}, model, optimizer)
+        load_sharded(Store(str(missing)), model, optimizer)
 
 
 def test_a_checkpoint_without_optimizer_state_loads_only_without_an_optimizer(model_dir, tmp_path):
     policy, optimizer = _build(model_dir, sharded=False)
     model = policy.model
-    save_sharded(str(tmp_path), {}, model, None)
-    assert is_sharded(str(tmp_path), {}) and not (tmp_path / "optim").exists()
+    save_sharded(Store(str(tmp_path)), model, None)
+    assert is_sharded(Store(str(tmp_path))) and not (tmp_path / "optim").exists()
     with pytest.raises(CheckpointError, match="saved without optimizer state"):
-        load_sharded(str(tmp_path), {}, model, optimizer)
-    load_sharded(str(tmp_path), {}, model, None)
+        load_sharded(Store(str(tmp_path)), model, optimizer)
+    load_sharded(Store(str(tmp_path)), model, None)
 
 
 def _extra(model):
@@ -143,7 +144,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_by_name(model_dir, 
     model = _build(model_dir, sharded=False)[0].model
     expected = change(model)
     with pytest.raises(CheckpointError, match=f"{re.escape(saved['local'])}/model does not match the model.*{expected}"):
-        load_sharded(saved["local"], {}, model, None)
+        load_sharded(Store(saved["local"]), model, None)
 
 
 def test_an_optimizer_over_other_parameters_is_refused_by_name(model_dir, saved):
@@ -152,7 +153,7 @@ def test_an_optimizer_over_other_parameters_is_refused_by_name(model_dir, saved)
     frozen = "model.layers.3.mlp.down_proj.weight"
     optimizer = torch.optim.AdamW([p for name, p in model.named_parameters() if name != frozen])
     with pytest.raises(CheckpointError, match=rf"/optim does not match the model's optimizer state: .*not in the model \['{frozen}'\]"):
-        load_sharded(saved["local"], {}, model, optimizer)
+        load_sharded(Store(saved["local"]), model, optimizer)
 
 
 # -- ranks ----------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def _save_after_one_step(rank, world, port, model_dir, folders, reference):
     policy(ids).backward()
     optimizer.step()
     for folder, options in folders:
-        save_sharded(folder, options, model, optimizer)
+        save_sharded(Store(folder, options), model, optimizer)
     snapshot = _snapshot(model, optimizer)
     if rank == 0:
         torch.save(snapshot, reference)
@@ -189,13 +190,13 @@ def _load_at_one(rank, world, port, model_dir, folder, reference):
     assert not dist.is_initialized()
     policy, optimizer = _build(model_dir, sharded=False)
     model = policy.model
-    load_sharded(folder, {}, model, optimizer)
+    load_sharded(Store(folder), model, optimizer)
     _assert_restored(model, optimizer, reference)
 
     _join(rank, world, port)
     policy, optimizer = _build(model_dir, sharded=True)
     model = policy.model
-    load_sharded(folder, {}, model, optimizer)
+    load_sharded(Store(folder), model, optimizer)
     _assert_restored(model, optimizer, reference)
     dist.destroy_process_group()
 
@@ -204,7 +205,7 @@ def _load_sharded(rank, world, port, model_dir, folder, reference):
     _join(rank, world, port)
     policy, optimizer = _build(model_dir, sharded=True)
     model = policy.model
-    load_sharded(folder, {}, model, optimizer)
+    load_sharded(Store(folder), model, optimizer)
     embedding = model.get_input_embeddings().weight
     assert isinstance(embedding, DTensor) and embedding.to_local().shape[0] < embedding.shape[0]
     _assert_restored(model, optimizer, reference)

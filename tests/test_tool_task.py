@@ -11,9 +11,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine.config.loading import load_config
-from engine.run.local import LocalRun
-from flows.rl_train import rl_train
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.local import LocalRun
+from trellis.flows.rl_train import rl_train
 from helpers import logged_metrics
 
 

@@ -7,18 +7,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config.loading import load_config
-from engine.data.prompts import load_prompts
-from engine.train.logprob_head import batch_logprobs, output_head
-from engine.algo.losses import token_logprobs
-from engine.train.packing import to_packed, to_padded
-from engine.data.prepare import IGNORE, prepare_train_data
-from engine.rollout.backends.base import SamplingParams
-from engine.rollout.production.produce import rollout_groups, sampling_params
-from engine.rollout.rewards.runner import RewardRunner
-from engine.rollout.backends.transformers_backend import TransformersRollout
-from engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
-from engine.train.varlen_attention import use_varlen_attention
+from trellis.engine.config.loading import load_config
+from trellis.engine.storage.store import Store
+from trellis.engine.data.prompts import load_prompts
+from trellis.engine.train.logprob_head import batch_logprobs, output_head
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.train.packing import to_packed, to_padded
+from trellis.engine.data.prepare import IGNORE, prepare_train_data
+from trellis.engine.rollout.backends.base import SamplingParams
+from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
+from trellis.engine.train.varlen_attention import use_varlen_attention
 from teacher_forcing import teacher_forced_gaps
 
 
@@ -27,6 +28,7 @@ def _config(tiny_model, reverse_data, **changes):
         None,
         load_from=str(tiny_model),
         train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=4,
         train_batch_size=8,
         **changes,
@@ -319,14 +321,14 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
     for name, tensor in plain.export_weights().items():
         assert torch.allclose(sharded_weights[name], tensor, atol=1e-6), name
 
-    sharded.save_checkpoint(str(tmp_path / "ckpt"), {}, save_optimizer=True)
+    sharded.save_checkpoint(Store(str(tmp_path / "ckpt")), save_optimizer=True)
     plain.fit(batch, 2)
     restored = TrainingWorker(plain._config, total_train_steps=4, pad_token_id=pad_id)
-    assert restored.load_checkpoint(str(tmp_path / "ckpt"), {}) == 1
+    assert restored.load_checkpoint(Store(str(tmp_path / "ckpt"))) == 1
     restored.fit(batch, 2)
     for name, tensor in plain.export_weights().items():
         assert torch.allclose(restored.export_weights()[name], tensor, atol=1e-5), name
 
-    sharded.export_hf(str(tmp_path / "hf"), {}, str(tiny_model))
+    sharded.export_hf(Store(str(tmp_path / "hf")), str(tiny_model))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(exported.model.embed_tokens.weight, sharded_weights["model.embed_tokens.weight"])

@@ -12,11 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ray = pytest.importorskip("ray")
 
-from engine.cluster.placement import GpuPlacementError
-from engine.cluster.workers import RunWorkers
-from engine.storage.checkpoints import require_complete
-from engine.train.worker import TrainingWorker
-from flows.rl_train import rl_train
+from trellis.engine.cluster.placement import GpuPlacementError
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
+from trellis.engine.train.worker import TrainingWorker
+from trellis.flows.rl_train import rl_train
 from helpers import logged_metrics, tiny_config
 from two_nodes import alive_nodes, second_node
 
@@ -54,13 +55,13 @@ def test_the_flow_runs_with_trainer_ranks_on_both_nodes(tiny_model, reverse_data
     assert sorted(metrics) == [1, 2, 3] and all(m["train/grad_norm"] > 0 for m in metrics.values())
 
     checkpoint = f"{config.run_uri}/checkpoints/step-000003"
-    assert require_complete(checkpoint)["step"] == 3
+    assert require_complete(Store(checkpoint))["step"] == 3
     for part in ("model", "optim"):  # one shard file per rank, one rank per node
         assert sorted(p.name for p in Path(checkpoint, part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert all(Path(checkpoint, name).is_file() for name in ("trainer.pt", "trainer-rank1.pt", "controller.pt"))
     pad_id = AutoTokenizer.from_pretrained(tiny_model).pad_token_id
     loader = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path / "loader"), total_train_steps=3, pad_token_id=pad_id)
-    assert loader.load_checkpoint(checkpoint, {}) == 3
+    assert loader.load_checkpoint(Store(checkpoint)) == 3
     loaded = loader.export_weights()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert loaded.keys() == trained.keys()

@@ -22,8 +22,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import token_logprobs
-from engine.data.prepare import IGNORE
+from trellis.engine.algo.losses import token_logprobs
+from trellis.engine.data.prepare import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 TRELLIS = str(Path(sys.executable).with_name("trellis"))
@@ -95,12 +95,52 @@ def answer_chance(model_dir: Path, prompts: list[tuple[str, str]], temperature: 
     return total / len(prompts)
 
 
-def lake_rewards(project: Path) -> dict[int, list[float]]:
-    table = ds.dataset(project / "runs" / "sort_letters" / "trajectories" / "split=train", partitioning="hive").to_table()
+def lake_rewards(project: Path, experiment: str = "sort_letters") -> dict[int, list[float]]:
+    table = ds.dataset(project / "runs" / experiment / "trajectories" / "split=train", partitioning="hive").to_table()
     rewards: dict[int, list[float]] = {}
     for row in table.select(["step", "reward"]).to_pylist():
         rewards.setdefault(row["step"], []).append(row["reward"])
     return rewards
+
+
+# A project whose own packages have the names of trellis's top-level folders: its reward, in its
+# `tasks` package, adds a mark from its `engine` package and one from its `flows` package.
+SAME_NAMED_PACKAGES = {
+    "engine/__init__.py": "",
+    "engine/marks.py": "MARK = 0.25\n",
+    "flows/__init__.py": "",
+    "flows/marks.py": "MARK = 0.125\n",
+    "tasks/__init__.py": "",
+    "tasks/reward.py": (
+        "from engine.marks import MARK as ENGINE_MARK\n"
+        "from flows.marks import MARK as FLOWS_MARK\n\n\n"
+        "def score(sample: dict) -> float:\n"
+        "    return ENGINE_MARK + FLOWS_MARK\n"
+    ),
+}
+
+
+def test_a_project_with_its_own_tasks_engine_and_flows_packages_trains_on_a_live_cluster(
+        tmp_path, tiny_model, reverse_data, live_cluster):
+    """A project folder is first on sys.path and the workers' working directory; trellis's packages are
+    trellis.engine, trellis.tasks and trellis.flows, so the project's own ``tasks``, ``engine`` and
+    ``flows`` are the ones its reward imports, on the driver and in the workers, and the run trains."""
+    for name, text in SAME_NAMED_PACKAGES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    config = {
+        "load_from": str(tiny_model), "train_dataset": {"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        "work_dir": "runs", "experiment_name": "same_names", "train_batch_size": 4, "prompt_repeat_k": 4,
+        "total_train_steps": 2, "rollout": {"max_new_tokens": 8}, "reward": {"function": "tasks.reward:score"},
+        "cluster": {"home": str(live_cluster["home"])},
+    }
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
+    trained = run("train", "my.yaml", cwd=tmp_path, env=live_cluster["env"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "same_names" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["step"] > 0] == [1, 2]
+    assert lake_rewards(tmp_path, "same_names") == {1: [0.375] * 16, 2: [0.375] * 16}
 
 
 def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(project, live_cluster):

@@ -11,9 +11,9 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from engine.cluster import weight_sync
-from engine.cluster.workers import RunWorkers
-from engine.rollout.backends.base import SamplingParams
+from trellis.engine.cluster import weight_sync
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.rollout.backends.base import SamplingParams
 from helpers import tiny_config
 
 
@@ -64,11 +64,11 @@ def test_after_a_cpu_sync_the_rollout_worker_serves_the_trainers_weights_tensor_
     """Tried: the trainer's weights changed by a training step, then synced through the object store
     (the CPU default) or a gloo broadcast. Every tensor the rollout worker generates with equals the
     trainer's, not only the version label."""
-    from engine.cluster.ray_workers import RayWorkers
-    from engine.run.metrics import RunCounters
-    from engine.run.phases import FIT, PREPARE_DATA, PRODUCE_BATCH, PhaseContext, run_phase
-    from engine.run.plan import resolve_run_plan
-    from engine.run.resume import StartPlan
+    from trellis.engine.cluster.ray_workers import RayWorkers
+    from trellis.engine.run.metrics import RunCounters
+    from trellis.engine.run.phases import FIT, PREPARE_DATA, PRODUCE_BATCH, PhaseContext, run_phase
+    from trellis.engine.run.plan import resolve_run_plan
+    from trellis.engine.run.resume import StartPlan
 
     config = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name=f"sync-equal-{choice}",
                          cluster={"address": ray_cluster["address"], "weight_sync": choice})

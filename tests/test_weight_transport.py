@@ -7,9 +7,9 @@ import pickle
 import pytest
 import torch
 
-from engine.weights.broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
-from engine.weights.buckets import flatten, layouts
-from engine.weights.cuda_ipc import WeightSender, gpu_identity, receive
+from trellis.engine.weights.broadcast import RECEIVER, SENDER, GroupAddress, WeightGroup, free_address
+from trellis.engine.weights.buckets import flatten, layouts
+from trellis.engine.weights.cuda_ipc import WeightSender, gpu_identity, receive
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

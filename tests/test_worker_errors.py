@@ -122,7 +122,7 @@ def test_a_setting_a_worker_refuses_ends_the_run_with_one_line_and_exit_code_2(
     assert " ERROR the run's start failed: trainer rank 0 (fa4-trainer) failed while it was built: " in log
     trace = traceback_lines(log)
     assert trace[0] == "Traceback (most recent call last):"
-    assert "engine.errors.SettingError: train_worker.attention_kernel: fa4 cannot run here: it runs on CUDA GPUs" in "\n".join(trace)
+    assert "trellis.engine.errors.SettingError: train_worker.attention_kernel: fa4 cannot run here: it runs on CUDA GPUs" in "\n".join(trace)
     assert any('in __init__' in line for line in trace) and any("TrainingWorker(config" in line for line in trace)  # the worker's frames
 
     (run,) = flow_runs("rl_run[fa4]")
@@ -152,7 +152,7 @@ def test_a_step_that_crashes_ends_the_run_with_one_line_and_exit_code_1(tmp_path
     assert "Traceback" not in result.stdout + result.stderr
     trace = "\n".join(traceback_lines(run_log(tmp_path, "crash")))
     assert "in write_trajectories" in trace and "fs.makedirs(folder, exist_ok=True)" in trace  # the controller's frames
-    assert trace.rstrip().endswith(f"engine.errors.WorkerError: {failed[0].split('step 2 failed: ')[1].split('; the run ends')[0]}")
+    assert trace.rstrip().endswith(f"trellis.engine.errors.WorkerError: {failed[0].split('step 2 failed: ')[1].split('; the run ends')[0]}")
 
 
 @pytest.mark.parametrize("retries", [1, 0])
@@ -249,7 +249,7 @@ def test_secrets_in_a_workers_error_are_masked_on_the_console_in_the_run_log_and
     (`cluster.forward_env`), and a reward module that raises with both in its message in the run's
     controller. Neither value reaches the console, the run log (line and traceback), the failed
     states of the Prefect flow and task runs, or the flow run's logs on the Prefect API; the mask does."""
-    from engine.secrets import REDACTED
+    from trellis.engine.secrets import REDACTED
 
     secrets = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG-worker-side", "JUDGE_API_TOKEN": "judge-tok-0f9e8d7c6b5a4"}
     (tmp_path / "judge_reward.py").write_text(JUDGE_REWARD)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import ray
 
-from engine.cluster.head import head_environment, worker_node_command
-from engine.config import ClusterConfig
+from trellis.engine.cluster.head import head_environment, worker_node_command
+from trellis.engine.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE2 = "trellis_node2"  # the custom resource the second node offers by default: pin work there with it

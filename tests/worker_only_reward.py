@@ -6,4 +6,4 @@ import os
 if "TRELLIS_TEST_KILL_FILE" in os.environ:
     raise ModuleNotFoundError("No module named 'judge_sdk'")
 
-from engine.tiny.reverse_task import score  # noqa: E402,F401
+from trellis.engine.tiny.reverse_task import score  # noqa: E402,F401

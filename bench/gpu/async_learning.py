@@ -15,9 +15,9 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.cluster.head import stop_head
-from engine.config.loading import load_config
-from flows.rl_train import rl_train
+from trellis.engine.cluster.head import stop_head
+from trellis.engine.config.loading import load_config
+from trellis.flows.rl_train import rl_train
 from vllm_learning import tiny_task  # beside this script
 from process_exit import exit_now  # beside this script
 

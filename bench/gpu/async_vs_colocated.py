@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for _compare
 
-from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
 
 use_lean_temporary_server()  # before Prefect is imported: each run starts its temporary server as the CLI does
 
@@ -65,11 +65,11 @@ from engine_steps import random_qwen2_05b  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: E402
 
-from engine.cluster.head import stop_head  # noqa: E402
-from engine.config.loading import load_config  # noqa: E402
-from engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
-from engine.tiny.reverse_task import write_dataset  # noqa: E402
-from flows.rl_train import rl_train  # noqa: E402
+from trellis.engine.cluster.head import stop_head  # noqa: E402
+from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
+from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
+from trellis.flows.rl_train import rl_train  # noqa: E402
 
 MODES = ("colocated", "disaggregated")
 
@@ -143,6 +143,7 @@ def run_config(work: Path, args: argparse.Namespace):
     settings = dict(
         load_from=str(model),
         train_dataset={"path": str(data), "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         work_dir=str(work / "runs"),
         experiment_name=f"{args.mode}-round{args.round}-{int(time.time())}",
         total_train_steps=args.steps,

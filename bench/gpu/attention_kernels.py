@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.train.varlen_attention import _fa4, _flash  # noqa: E402
+from trellis.engine.train.varlen_attention import _fa4, _flash  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROW = 16, 2, 128, 8192
 

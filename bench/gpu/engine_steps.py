@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine.config.loading import load_config
-from engine.run.local import LocalRun
-from engine.tiny.model import build_tokenizer
-from engine.tiny.reverse_task import write_dataset
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.local import LocalRun
+from trellis.engine.tiny.model import build_tokenizer
+from trellis.engine.tiny.reverse_task import write_dataset
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -66,6 +66,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,

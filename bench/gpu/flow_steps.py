@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for trellis_flow_step's helpers
 
-from flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
 
 use_lean_temporary_server()  # before Prefect is imported (below), which reads its client settings then
 
@@ -51,9 +51,9 @@ from _compare import spread, with_spread  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
 from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
 
-from engine.cluster import weight_sync  # noqa: E402
-from engine.cluster.workers import RunWorkers  # noqa: E402
-from flows.rl_train import rl_train  # noqa: E402
+from trellis.engine.cluster import weight_sync  # noqa: E402
+from trellis.engine.cluster.workers import RunWorkers  # noqa: E402
+from trellis.flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 2
 WORK = Path("/tmp/trellis-gpu")

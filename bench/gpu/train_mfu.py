@@ -48,13 +48,13 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_steps import random_qwen2_05b  # noqa: E402
 
-from engine.config.loading import load_config  # noqa: E402
-from engine.algo.losses import token_logprobs  # noqa: E402
-from engine.train.packing import pack, to_padded  # noqa: E402
-from engine.data.prepare import IGNORE, PreparedBatch, TrainSequence  # noqa: E402
-from engine.tiny.model import build_tokenizer  # noqa: E402
-from engine.tiny.reverse_task import write_dataset  # noqa: E402
-from engine.train.worker import TrainingWorker  # noqa: E402
+from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.algo.losses import token_logprobs  # noqa: E402
+from trellis.engine.train.packing import pack, to_padded  # noqa: E402
+from trellis.engine.data.prepare import IGNORE, PreparedBatch, TrainSequence  # noqa: E402
+from trellis.engine.tiny.model import build_tokenizer  # noqa: E402
+from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
+from trellis.engine.train.worker import TrainingWorker  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -206,6 +206,7 @@ def main() -> None:
         None,
         load_from=str(model_dir),
         train_dataset={"path": str(write_dataset(work / "train.parquet", 64, seed=0))},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=100,
         train_worker={"pack_max_length": PACK},
         loss={"rollout_is": {"level": "none"}},

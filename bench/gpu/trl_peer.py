@@ -184,7 +184,7 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from engine.tiny.model import build_tokenizer
+    from trellis.engine.tiny.model import build_tokenizer
 
     step = shared(args)
     model, data = prepare_model_and_data(args)
@@ -256,8 +256,8 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
 
 def prepare_model_and_data(args: argparse.Namespace) -> tuple[Path, Path]:
     """The model and prompts both sides read (built once, before the first contestant)."""
-    from engine.tiny.model import build_tiny_checkpoint, build_tokenizer
-    from engine.tiny.reverse_task import write_dataset
+    from trellis.engine.tiny.model import build_tiny_checkpoint, build_tokenizer
+    from trellis.engine.tiny.reverse_task import write_dataset
 
     model, data = model_dir(args), WORK / "train.parquet"
     if not (model / "config.json").exists():

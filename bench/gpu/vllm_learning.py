@@ -16,10 +16,10 @@ import time
 import warnings
 from pathlib import Path
 
-from engine.config.loading import load_config
-from engine.run.local import LocalRun
-from engine.tiny.model import build_tiny_checkpoint
-from engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.local import LocalRun
+from trellis.engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.tiny.reverse_task import EVAL_SEED_OFFSET, write_dataset
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_steps import random_qwen2_05b  # noqa: E402
 
-from engine.rollout.backends.base import SamplingParams  # noqa: E402
-from engine.rollout.backends.vllm_backend import VllmRollout  # noqa: E402
-from engine.tiny.model import build_tokenizer  # noqa: E402
+from trellis.engine.rollout.backends.base import SamplingParams  # noqa: E402
+from trellis.engine.rollout.backends.vllm_backend import VllmRollout  # noqa: E402
+from trellis.engine.tiny.model import build_tokenizer  # noqa: E402
 
 NEW, ROUNDS = 256, 6
 

@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_steps import random_qwen2_05b  # noqa: E402
 
-from engine.tiny.model import build_tokenizer  # noqa: E402
-from engine.weights.broadcast import RECEIVER, SENDER, WeightGroup, free_address  # noqa: E402
-from engine.weights.buckets import flatten, layouts  # noqa: E402
+from trellis.engine.tiny.model import build_tokenizer  # noqa: E402
+from trellis.engine.weights.broadcast import RECEIVER, SENDER, WeightGroup, free_address  # noqa: E402
+from trellis.engine.weights.buckets import flatten, layouts  # noqa: E402
 
 
 def load_into(model: torch.nn.Module, weights) -> None:

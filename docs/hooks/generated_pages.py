@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mkdocs.structure.files import File, Files
 
-from engine.config.reference import config_reference
+from trellis.engine.config.reference import config_reference
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
 RESULTS_MARKER = "<!-- bench/RESULTS.md -->"

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import AdvantageConfig
+from trellis.engine.config import AdvantageConfig
 
 
 def grpo(rewards_G: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:

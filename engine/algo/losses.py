@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import LossConfig, RolloutISConfig
+from trellis.engine.config import LossConfig, RolloutISConfig
 
 
 def token_logprobs(logits_NLV: torch.Tensor, labels_NL: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

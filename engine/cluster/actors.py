@@ -15,29 +15,30 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import ray
 import torch
 
-from engine.cluster.remote_rollout import RemoteRollout
-from engine.config import TrellisConfig
-from engine.config.backends import backend_traits
-from engine.devices import resolve_device, rollout_device, set_up_process
-from engine.faults import fault_point
-from engine.rollout.backends.registry import build_rollout_backend
-from engine.rollout.backends.base import Generation, SamplingParams
-from engine.rollout.production.controller import Controller
-from engine.rollout.backends.pool import RolloutPool
-from engine.run.identity import WorkerFingerprint
-from engine.secrets import Credentials
-from engine.storage.trackers import Trackers
-from engine.train.fsdp import join_process_group
-from engine.train.worker import TrainingWorker
-from engine.weights.broadcast import (
+from trellis.engine.cluster.remote_rollout import RemoteRollout
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.backends import backend_traits
+from trellis.engine.devices import resolve_device, rollout_device, set_up_process
+from trellis.engine.faults import fault_point
+from trellis.engine.rollout.backends.registry import build_rollout_backend
+from trellis.engine.rollout.backends.base import Generation, SamplingParams
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.rollout.backends.pool import RolloutPool
+from trellis.engine.run.identity import WorkerFingerprint
+from trellis.engine.secrets import Credentials
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.trackers import Trackers
+from trellis.engine.train.fsdp import join_process_group
+from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.weights.broadcast import (
     SENDER,
     GroupAddress,
     WeightGroup,
     free_address,
     rejoin,
 )
-from engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, layouts
-from engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
+from trellis.engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, layouts
+from trellis.engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
 
 
 class BuiltFrom:
@@ -162,8 +163,8 @@ class TrainerActor(BuiltFrom):
     def applied_step(self) -> int:
         return self.worker.applied_step
 
-    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], load_optimizer: bool) -> int:
-        return self.worker.load_checkpoint(uri, storage_options, load_optimizer=load_optimizer)
+    def load_checkpoint(self, checkpoint: Store, load_optimizer: bool) -> int:
+        return self.worker.load_checkpoint(checkpoint, load_optimizer=load_optimizer)
 
     def offload(self) -> None:
         self.worker.offload()

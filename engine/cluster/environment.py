@@ -11,13 +11,13 @@ from typing import Any
 
 import ray
 
-from engine.cluster.compat import upload_package
-from engine.cluster.head import connect
-from engine.config import TrellisConfig
-from engine.run.code_bundle import CodeBundle, shipped_code
-from engine.run.identity import trellis_code
-from engine.run.plan import Role
-from engine.run.preflight import InputError, UserCodeCheck, user_code_checks, user_code_problems
+from trellis.engine.cluster.compat import upload_package
+from trellis.engine.cluster.head import connect
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.code_bundle import CodeBundle, shipped_code
+from trellis.engine.run.identity import trellis_code
+from trellis.engine.run.plan import Role
+from trellis.engine.run.preflight import InputError, UserCodeCheck, user_code_checks, user_code_problems
 
 
 class ClusterEnvironmentError(RuntimeError):

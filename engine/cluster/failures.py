@@ -8,8 +8,8 @@ from typing import Protocol
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.cluster.compat import creation_error, failed_call
-from engine.errors import (
+from trellis.engine.cluster.compat import creation_error, failed_call
+from trellis.engine.errors import (
     SettingError,
     WorkerError,
     WorkerLostError,
@@ -17,7 +17,7 @@ from engine.errors import (
     describe_failure,
     one_line,
 )
-from engine.secrets import redact
+from trellis.engine.secrets import redact
 
 UNKNOWN_WORKER = "a worker of the run"
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import ray
 
-from engine.cluster.compat import use_private_ray_head
-from engine.config import ClusterConfig
+from trellis.engine.cluster.compat import use_private_ray_head
+from trellis.engine.config import ClusterConfig
 
 _START_TIMEOUT_S = 180.0
 

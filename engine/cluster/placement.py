@@ -20,9 +20,9 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.config import TrellisConfig
-from engine.config.backends import backend_traits
-from engine.run.plan import Role, roles_for
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.backends import backend_traits
+from trellis.engine.run.plan import Role, roles_for
 
 Side = Literal["train", "rollout", "colocated"]
 logger = logging.getLogger(__name__)

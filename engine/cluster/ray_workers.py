@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from engine.cluster.workers import RunWorkers
-from engine.config import TrellisConfig
-from engine.run.plan import Role
-from engine.run.workers import Call
+from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.plan import Role
+from trellis.engine.run.workers import Call
 
 
 class RayWorkers:

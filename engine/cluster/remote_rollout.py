@@ -8,7 +8,7 @@ from typing import Iterator, Mapping, Sequence
 import ray
 import torch
 
-from engine.rollout.backends.base import Generation, SamplingParams
+from trellis.engine.rollout.backends.base import Generation, SamplingParams
 
 
 class RemoteRollout:

@@ -13,9 +13,9 @@ from typing import Sequence
 import ray
 import torch
 
-from engine.cluster.actor_gpus import gpus_of
-from engine.config import TrellisConfig
-from engine.weights.buckets import ROLLOUT_GPU_DTYPE
+from trellis.engine.cluster.actor_gpus import gpus_of
+from trellis.engine.config import TrellisConfig
+from trellis.engine.weights.buckets import ROLLOUT_GPU_DTYPE
 
 
 class WeightSyncError(RuntimeError):

@@ -24,29 +24,30 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from engine.cluster.actors import (
+from trellis.engine.cluster.actors import (
     ControllerActor,
     ControllerInfo,
     RolloutActor,
     TrainerActor,
 )
-from engine.cluster.actor_gpus import gpus_of, on_gpus
-from engine.cluster.environment import check_worker_environment, worker_runtime_env
-from engine.cluster.failures import worker_error
-from engine.cluster.placement import (
+from trellis.engine.cluster.actor_gpus import gpus_of, on_gpus
+from trellis.engine.cluster.environment import check_worker_environment, worker_runtime_env
+from trellis.engine.cluster.failures import worker_error
+from trellis.engine.cluster.placement import (
     Placement,
     decide_placement,
     placement_strategy,
     remove_side_placements,
 )
-from engine.cluster.weight_sync import push_weights
-from engine.config import TrellisConfig
-from engine.errors import WorkerLostError
-from engine.run.code_bundle import CodeBundle, shipped_code
-from engine.run.identity import WorkerFingerprint
-from engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
-from engine.run.resume import StartPlan
-from engine.secrets import Credentials
+from trellis.engine.cluster.weight_sync import push_weights
+from trellis.engine.config import TrellisConfig
+from trellis.engine.errors import WorkerLostError
+from trellis.engine.run.code_bundle import CodeBundle, shipped_code
+from trellis.engine.run.identity import WorkerFingerprint
+from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
+from trellis.engine.run.resume import StartPlan
+from trellis.engine.secrets import Credentials
+from trellis.engine.storage.store import Store
 
 logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
@@ -233,8 +234,8 @@ class RunWorkers:
         load = self.config.load_checkpoint_cfg
         waits = [self.actor("controller").load_checkpoint.remote(start.checkpoint, load.load_dataset)]
         if "trainer" in self.roles and start.action != "reattach":  # reattach: the trainer is already there
-            options = self.config.storage_options
-            waits += [t.load_checkpoint.remote(start.checkpoint, options, load.load_optimizer_states) for t in self.actors("trainer")]
+            checkpoint = Store(start.checkpoint, self.config.storage_options)
+            waits += [t.load_checkpoint.remote(checkpoint, load.load_optimizer_states) for t in self.actors("trainer")]
         self.wait(waits)
         if "trainer" in self.roles and "rollout" in self.roles:
             applied = self.wait(self.actor("trainer").applied_step.remote())

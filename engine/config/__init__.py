@@ -1,8 +1,8 @@
 """The run configuration: one frozen pydantic model (``TrellisConfig``) and its sections, loadable from
 YAML with errors a person can act on (``engine.config.loading``)."""
 
-from engine.config.cluster import ClusterConfig
-from engine.config.sections import (
+from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
     DatasetConfig,
@@ -18,7 +18,7 @@ from engine.config.sections import (
     TaskConfig,
     TrainWorkerConfig,
 )
-from engine.config.trellis import TrellisConfig
+from trellis.engine.config.trellis import TrellisConfig
 
 __all__ = [
     "AdvantageConfig",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from engine.config.sections import RolloutConfig
+from trellis.engine.config.sections import RolloutConfig
 
 
 @dataclass(frozen=True)

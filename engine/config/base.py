@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
 
-from engine.secrets import REDACTED, looks_secret, redact_mapping
+from trellis.engine.secrets import REDACTED, looks_secret, redact_mapping
 
 
 def _no_masked_secrets(options: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from engine.config.base import Frozen, Location, checked_runtime_env
+from trellis.engine.config.base import Frozen, Location, checked_runtime_env
 
 
 class ClusterConfig(Frozen):

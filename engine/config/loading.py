@@ -10,8 +10,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from engine.config import TrellisConfig
-from engine.errors import SettingError
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.rules import NO_REWARD
+from trellis.engine.errors import SettingError
 
 
 class ConfigError(SettingError):
@@ -46,6 +47,9 @@ def parse_config(raw: dict[str, Any]) -> TrellisConfig:
         problems = describe_problems(error, TrellisConfig)
         if raw.get("train_dataset") is None and not raw.get("tasks") and not any("train_dataset" in p for p in problems):
             problems.append("train_dataset: required, but not set (or tasks, for a multi-task run)")
+        reward = raw.get("reward")
+        if not (isinstance(reward, dict) and reward.get("function")) and not raw.get("tasks") and not any("reward" in p for p in problems):
+            problems.append(NO_REWARD)
         unknown = [item["loc"] for item in error.errors() if item["type"] == "extra_forbidden"]
         if unknown:
             try:

@@ -3,7 +3,7 @@ with each field's type, default, bounds and description, each section's own chec
 cross-field rules of ``engine.config.rules`` with the messages they raise. The docs site calls
 ``config_reference()`` when it is built (``docs/hooks/generated_pages.py``), so the page cannot drift
 from the code; ``reference_keys()`` lists every key, for the test that holds the page to it.
-``python -m engine.config.reference`` prints the page."""
+``python -m trellis.engine.config.reference`` prints the page."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pydantic import AfterValidator, BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from engine.config.base import _absolute_if_local, _no_masked_secrets, checked_runtime_env
-from engine.config.rules import RULES
-from engine.config.trellis import TrellisConfig
+from trellis.engine.config.base import _absolute_if_local, _no_masked_secrets, checked_runtime_env
+from trellis.engine.config.rules import RULES
+from trellis.engine.config.trellis import TrellisConfig
 
 # The value types a field may be declared with, as the page names them (anchors of its last section).
 VALUE_TYPES: dict[Callable[..., Any], tuple[str, str]] = {
@@ -277,7 +277,7 @@ def config_reference() -> str:
         "",
         "# Configuration reference",
         "",
-        "One frozen pydantic model, `engine.config.TrellisConfig`, read from YAML (`trellis train my.yaml "
+        "One frozen pydantic model, `trellis.engine.config.TrellisConfig`, read from YAML (`trellis train my.yaml "
         "--set optim.lr=1e-4`). Unknown keys are errors, with the nearest known key suggested. Field names follow "
         "XTuner v1's RL trainer where the field exists there. This page is generated from the models each time "
         "the site is built (`engine/config/reference.py`), so it lists every key there is.",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config.backends import backend_traits
+from trellis.engine.config.backends import backend_traits
 
 if TYPE_CHECKING:
-    from engine.config.trellis import TrellisConfig
+    from trellis.engine.config.trellis import TrellisConfig
 
 
 def interval_problems(config: TrellisConfig) -> list[str]:
@@ -69,6 +69,23 @@ def mode_problems(config: TrellisConfig) -> list[str]:
     if (config.enable_evaluate or config.enable_initial_evaluate) and not config.eval_datasets:
         where = "no task has an eval_dataset" if config.tasks else "eval_dataset is not set"
         problems.append(f"Evaluation is enabled but {where}; set one or enable_evaluate=false.")
+    return problems
+
+
+NAME_A_REWARD = "name the function that scores a sample, e.g. myreward:score (built in: trellis.engine.rollout.rewards:exact_match)"
+NO_REWARD = f"reward.function: required, but not set; {NAME_A_REWARD}"
+
+
+def reward_problems(config: TrellisConfig) -> list[str]:
+    """Every sample is scored by a function the config names: trellis has no default task to score for."""
+    if not config.tasks:
+        return [] if config.reward.function else [NO_REWARD]
+    problems = []
+    for task in config.tasks:
+        if task.reward is not None and not task.reward.function:
+            problems.append(f"tasks[{task.name}].reward.function: required, but not set; {NAME_A_REWARD}")
+        elif task.reward is None and not config.reward.function:
+            problems.append(f"tasks[{task.name}] has no reward and reward.function is not set; {NAME_A_REWARD}")
     return problems
 
 
@@ -191,4 +208,4 @@ def resource_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
-RULES = (task_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)
+RULES = (task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)

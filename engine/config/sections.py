@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.base import Frozen, Location, StorageOptions, checked_runtime_env
+from trellis.engine.config.base import Frozen, Location, StorageOptions, checked_runtime_env
 
 
 class DatasetConfig(Frozen):
@@ -57,9 +57,10 @@ class RolloutConfig(Frozen):
 class RewardConfig(Frozen):
     """How a sample is scored: your function, run in worker processes with a time limit."""
 
-    function: str = Field(
-        "engine.tiny.reverse_task:score",
-        description="`module:function` taking the sample dict and returning a float or a dict with 'score'.",
+    function: str | None = Field(
+        None,
+        description="Required (null: not set): `module:function` taking the sample dict and returning a float or a dict "
+        "with 'score'. There is no default task; built in: trellis.engine.rollout.rewards:exact_match, :math_answer.",
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict, description="Per-data_source overrides of `function`."

@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.base import Frozen, Location, StorageOptions
-from engine.config.cluster import ClusterConfig
-from engine.config.rules import RULES
-from engine.config.sections import (
+from trellis.engine.config.base import Frozen, Location, StorageOptions
+from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.rules import RULES
+from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
     DatasetConfig,
@@ -155,7 +155,9 @@ class TrellisConfig(Frozen):
 
     @property
     def rewards(self) -> list[RewardConfig]:
-        return [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
+        """The reward configs the run scores with (the run's own is unused where every task names one)."""
+        found = [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
+        return [reward for reward in found if reward.function is not None]
 
     @property
     def disaggregated(self) -> bool:

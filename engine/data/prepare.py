@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.algo.advantages import compute_group_advantages, estimator
-from engine.config import AdvantageConfig
-from engine.data.samples import RolloutSample, Status
+from trellis.engine.algo.advantages import compute_group_advantages, estimator
+from trellis.engine.config import AdvantageConfig
+from trellis.engine.data.samples import RolloutSample, Status
 
 logger = logging.getLogger(__name__)
 IGNORE = -100

@@ -17,8 +17,8 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from engine.config import DatasetConfig
-from engine.errors import SettingError
+from trellis.engine.config import DatasetConfig
+from trellis.engine.errors import SettingError
 
 logger = logging.getLogger(__name__)
 

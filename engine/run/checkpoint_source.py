@@ -11,21 +11,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
-import fsspec
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import TrellisConfig
-from engine.storage.checkpoints import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
-    exists,
     is_local,
     read_full_weights,
     require_complete,
 )
-from engine.storage.lineage import checkpoint_step
-from engine.train.sharded_checkpoint import is_sharded, load_sharded
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.lineage import checkpoint_step
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,9 @@ def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> Poli
     """``checkpoint``: None (the run's latest complete checkpoint, else its latest HF export), a step
     number of the run, or the URI of a checkpoint or HF folder. A clear ``CheckpointError`` otherwise."""
     options = config.storage_options
-    trainer = SaveStore(config.checkpoint_uri, options)
+    trainer = SaveStore(Store(config.checkpoint_uri, options))
     if checkpoint is None:
-        latest = trainer.latest() or SaveStore(config.hf_uri, options).latest()
+        latest = trainer.latest() or SaveStore(Store(config.hf_uri, options)).latest()
         if latest is None:
             raise CheckpointError(f"{config.run_uri} has no complete checkpoint or HF export yet.")
         step, uri = latest
@@ -55,16 +54,16 @@ def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> Poli
             )
         return PolicySource(trainer.uri(step), step, "checkpoint")
     uri = checkpoint.rstrip("/")
-    if exists(f"{uri}/config.json", options):
+    if Store(f"{uri}/config.json", options).exists():
         return PolicySource(uri, checkpoint_step(uri) or 0, "hf")
-    state = require_complete(uri, options)  # says whether it is missing or incomplete
+    state = require_complete(Store(uri, options))  # says whether it is missing or incomplete
     return PolicySource(uri, int(state["step"]), "checkpoint")
 
 
 @contextmanager
-def local_folder(uri: str, storage_options: dict) -> Iterator[str]:
+def local_folder(folder: Store) -> Iterator[str]:
     """A local copy of a folder (the folder itself when it is local)."""
-    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+    fs, path = folder.fs()
     if is_local(fs):
         yield path
         return
@@ -77,14 +76,14 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
     """The policy model of ``source``, on CPU in float32, in eval mode."""
     options = config.storage_options
     if source.kind == "hf":
-        with local_folder(source.uri, options) as folder:
+        with local_folder(Store(source.uri, options)) as folder:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with local_folder(config.load_from, {}) as folder:  # the architecture; its weights are replaced
+    with local_folder(Store(config.load_from)) as folder:  # the architecture; its weights are replaced
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if is_sharded(source.uri, options):
-        load_sharded(source.uri, options, model, None)
+    if is_sharded(Store(source.uri, options)):
+        load_sharded(Store(source.uri, options), model, None)
         return model.eval()
-    tensors, aliases = read_full_weights(source.uri, options)
+    tensors, aliases = read_full_weights(Store(source.uri, options))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if not set(missing) <= set(aliases) or unexpected:
         raise CheckpointError(f"{source.uri} does not match {config.load_from}: missing {missing}, unexpected {unexpected}.")

@@ -20,8 +20,8 @@ from typing import Iterable, Sequence
 
 import pathspec
 
-from engine.config import TrellisConfig
-from engine.user_code import origin
+from trellis.engine.config import TrellisConfig
+from trellis.engine.user_code import origin
 
 ALWAYS_EXCLUDED = (
     ".git/", ".hg/", ".svn/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".pytest_cache/", ".mypy_cache/",

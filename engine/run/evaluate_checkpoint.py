@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import TrellisConfig
-from engine.devices import set_up_process
-from engine.rollout.backends.registry import build_rollout_backend
-from engine.rollout.production.controller import Controller
-from engine.run.checkpoint_source import PolicySource, policy_weights, resolve_source
-from engine.storage.lineage import record_evaluation
+from trellis.engine.config import TrellisConfig
+from trellis.engine.devices import set_up_process
+from trellis.engine.rollout.backends.registry import build_rollout_backend
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.run.checkpoint_source import PolicySource, policy_weights, resolve_source
+from trellis.engine.storage.lineage import record_evaluation
+from trellis.engine.storage.store import Store
 
 SPLIT = "checkpoint_eval"
 
@@ -54,7 +55,7 @@ def evaluate_checkpoint(
     finally:
         controller.close()
     record_evaluation(
-        config.run_uri, config.storage_options, step=source.step, checkpoint=source.uri, flow_run_id=flow_run_id,
+        Store(config.run_uri, config.storage_options), step=source.step, checkpoint=source.uri, flow_run_id=flow_run_id,
         partition=partition, metrics=metrics,
     )
     return CheckpointEvaluation(source, metrics, partition, _by_data_source(metrics, groups))

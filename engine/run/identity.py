@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from engine.config import TrellisConfig
-from engine.run.code_bundle import CodeBundle
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.code_bundle import CodeBundle
 
 # Settings only the driver acts on: a later run may change them and keep the live workers.
 DRIVER_ONLY = frozenset({

@@ -12,15 +12,15 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.config import TrellisConfig
-from engine.data.prompts import SkipReport
-from engine.devices import resolve_device, rollout_device, set_up_process
-from engine.rollout.backends.registry import build_rollout_backend
-from engine.rollout.production.controller import Controller
-from engine.run.loop import DirectRunner, run_steps
-from engine.run.metrics import RunCounters
-from engine.run.phases import PhaseContext
-from engine.run.plan import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prompts import SkipReport
+from trellis.engine.devices import resolve_device, rollout_device, set_up_process
+from trellis.engine.rollout.backends.registry import build_rollout_backend
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.run.loop import DirectRunner, run_steps
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.run.phases import PhaseContext
+from trellis.engine.run.plan import (
     RunPlan,
     WorkerFacts,
     plan_step,
@@ -29,18 +29,19 @@ from engine.run.plan import (
     resolve_total_steps,
     roles_for,
 )
-from engine.run.preflight import check_inputs
-from engine.run.resume import StartPlan, plan_start
-from engine.run.results import StepOutcome
-from engine.run.run_log import record_start
-from engine.run.step import run_step
-from engine.run.workers import LocalWorkers
-from engine.secrets import write_runtime_environment
-from engine.storage.checkpoints import require_complete
-from engine.storage.ledger import forget_after
-from engine.storage.lineage import record_run_origin
-from engine.storage.trackers import Trackers
-from engine.train.worker import TrainingWorker
+from trellis.engine.run.preflight import check_inputs
+from trellis.engine.run.resume import StartPlan, plan_start
+from trellis.engine.run.results import StepOutcome
+from trellis.engine.run.run_log import record_start
+from trellis.engine.run.step import run_step
+from trellis.engine.run.workers import LocalWorkers
+from trellis.engine.secrets import write_runtime_environment
+from trellis.engine.storage.checkpoints import require_complete
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.ledger import forget_after
+from trellis.engine.storage.lineage import record_run_origin
+from trellis.engine.storage.trackers import Trackers
+from trellis.engine.train.worker import TrainingWorker
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class LocalRun:
             record_run_plan(config, self.plan)
             record_start(config, self.plan)
             record_run_origin(config, start)
-            forget_after(config.run_uri, start.step, config.storage_options)  # the ledger of the steps to be run again
+            forget_after(Store(config.run_uri, config.storage_options), start.step)  # the ledger of the steps to be run again
         self.step = start.step
         self.counters = self.plan.counters
         self._runner = DirectRunner(PhaseContext(config, self.plan, self.workers))
@@ -113,9 +114,9 @@ class LocalRun:
 
     def _restore(self, uri: str) -> dict[str, float | int]:
         load = self.config.load_checkpoint_cfg
-        state = require_complete(uri, self.config.storage_options)
+        state = require_complete(Store(uri, self.config.storage_options))
         if self.worker is not None:
-            self.worker.load_checkpoint(uri, self.config.storage_options, load_optimizer=load.load_optimizer_states)
+            self.worker.load_checkpoint(Store(uri, self.config.storage_options), load_optimizer=load.load_optimizer_states)
             if self.backend is not None:
                 self.backend.load_weights(self.worker.export_weights(), policy_version=int(state["policy_version"]))
         self.controller.load_checkpoint(uri, load_dataset=load.load_dataset)

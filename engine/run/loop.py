@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters
-from engine.run.phases import CONTINUE_PRODUCE, EVALUATE, LOG_EVALUATION, PAUSE_PRODUCE, Phase, PhaseContext, run_phase
-from engine.run.plan import RunPlan
-from engine.run.results import Done, StepOutcome
-from engine.run.run_log import run_log_for
-from engine.run.step import PhaseRunner
-from engine.storage.report import Report, write_report
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.run.phases import CONTINUE_PRODUCE, EVALUATE, LOG_EVALUATION, PAUSE_PRODUCE, Phase, PhaseContext, run_phase
+from trellis.engine.run.plan import RunPlan
+from trellis.engine.run.results import Done, StepOutcome
+from trellis.engine.run.run_log import run_log_for
+from trellis.engine.run.step import PhaseRunner
+from trellis.engine.storage.report import Report, write_report
+from trellis.engine.storage.store import Store
 
 
 class Progress(Protocol):
@@ -74,7 +75,7 @@ def write_run_report(config: TrellisConfig) -> Report | None:
     """The run's report (``engine.storage.report``) beside it. A report that cannot be drawn is a warning in
     the run log, never a failed run."""
     try:
-        return write_report(config.run_uri, storage_options=config.storage_options)
+        return write_report(Store(config.run_uri, config.storage_options))
     except Exception as error:
         run_log_for(config).warning(f"no report: {type(error).__name__}: {error}")
         return None

@@ -17,19 +17,20 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
-from engine.config import TrellisConfig
-from engine.faults import fault_point
-from engine.rollout.production.controller import Controller
-from engine.rollout.production.produce import ProduceResult, produce_summary
-from engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
-from engine.run.plan import Role, RunPlan
-from engine.run.results import BatchHandle, Evaluation, Logged, Prepared
-from engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
-from engine.run.run_log import record_step
-from engine.run.workers import Call, Workers, each
-from engine.storage.checkpoints import step_name
-from engine.train.worker import TrainingWorker
-from engine.weights.fingerprint import fingerprint, largest_difference
+from trellis.engine.config import TrellisConfig
+from trellis.engine.faults import fault_point
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.rollout.production.produce import ProduceResult, produce_summary
+from trellis.engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
+from trellis.engine.run.plan import Role, RunPlan
+from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Prepared
+from trellis.engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
+from trellis.engine.run.run_log import record_step
+from trellis.engine.run.workers import Call, Workers, each
+from trellis.engine.storage.checkpoints import step_name
+from trellis.engine.storage.store import Store
+from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.weights.fingerprint import fingerprint, largest_difference
 
 _POLL_S = 2.0  # how long one ask of the replay buffer holds the controller
 
@@ -149,8 +150,8 @@ def fit(ctx: PhaseContext, step: int, prepared: Prepared) -> dict[str, float]:
 # -- weights --------------------------------------------------------------------------------------------
 
 
-def _save_trainer_on(trainer: TrainingWorker, uri: str, options: dict, save_optimizer: bool) -> None:
-    trainer.save_checkpoint(uri, options, save_optimizer=save_optimizer)
+def _save_trainer_on(trainer: TrainingWorker, checkpoint: Store, save_optimizer: bool) -> None:
+    trainer.save_checkpoint(checkpoint, save_optimizer=save_optimizer)
 
 
 def save_checkpoint(ctx: PhaseContext, step: int) -> str:
@@ -159,7 +160,7 @@ def save_checkpoint(ctx: PhaseContext, step: int) -> str:
     uri = begin_checkpoint(config, step)
     calls = [Call("controller", Controller.save_checkpoint, (uri,))]
     if "trainer" in ctx.workers.roles:
-        calls.append(Call("trainer", _save_trainer_on, (uri, config.storage_options, not config.checkpoint_no_save_optimizer)))
+        calls.append(Call("trainer", _save_trainer_on, (Store(uri, config.storage_options), not config.checkpoint_no_save_optimizer)))
     ctx.workers.run(*calls)
     return uri
 
@@ -168,7 +169,7 @@ def export_hf(ctx: PhaseContext, step: int) -> str:
     """``save_pretrained`` model + tokenizer under ``{run}/hf/step-NNNNNN``; every rank gathers, rank 0 writes."""
     config = ctx.config
     uri = begin_hf_export(config, step)
-    each(ctx.workers, "trainer", TrainingWorker.export_hf, uri, config.storage_options, config.tokenizer_source)
+    each(ctx.workers, "trainer", TrainingWorker.export_hf, Store(uri, config.storage_options), config.tokenizer_source)
     seal_hf_export(config, step)
     return uri
 

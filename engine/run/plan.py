@@ -10,11 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.config import ResourcesConfig, TrellisConfig
-from engine.run.metrics import RunCounters, RunDevices, SideDevices
-from engine.run.resume import StartPlan
-from engine.storage.checkpoints import write_json
-from engine.storage.lake import LakeError, stored_steps
+from trellis.engine.config import ResourcesConfig, TrellisConfig
+from trellis.engine.run.metrics import RunCounters, RunDevices, SideDevices
+from trellis.engine.run.resume import StartPlan
+from trellis.engine.storage.checkpoints import write_json
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.lake import LakeError, stored_steps
 
 Role = Literal["controller", "trainer", "rollout"]
 ROLES: tuple[Role, ...] = ("controller", "trainer", "rollout")
@@ -36,7 +37,7 @@ def resolve_total_steps(config: TrellisConfig, dataset_size: int) -> int:
         return config.total_train_steps
     if config.debug_train:
         assert config.debug_rollout_dir is not None  # the config requires it in debug_train
-        steps = stored_steps(config.debug_rollout_dir, "train", config.storage_options)
+        steps = stored_steps(Store(config.debug_rollout_dir, config.storage_options), "train")
         if not steps:
             raise LakeError(
                 f"debug_train found no stored batches under {config.debug_rollout_dir}/trajectories/split=train; "
@@ -189,5 +190,5 @@ def record_run_plan(config: TrellisConfig, plan: RunPlan) -> str:
     """Write the plan beside the run's logs (``logs/run_plan.json``): what the run resolved at its start,
     for people and for the CLI's progress bar."""
     uri = run_plan_uri(config)
-    write_json(plan.model_dump(mode="json"), uri, config.storage_options)
+    write_json(plan.model_dump(mode="json"), Store(uri, config.storage_options))
     return uri

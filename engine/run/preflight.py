@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fsspec
 
-from engine.config import DatasetConfig, TrellisConfig
-from engine.errors import SettingError
-from engine.rollout.rewards.runner import resolve_function
-from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
-from engine.user_code import UserCodeError, load_attribute, load_function
+from trellis.engine.config import DatasetConfig, TrellisConfig
+from trellis.engine.errors import SettingError
+from trellis.engine.rollout.rewards.runner import resolve_function
+from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
+from trellis.engine.storage.store import Store
+from trellis.engine.user_code import UserCodeError, load_attribute, load_function
 
 
 class InputError(SettingError):
@@ -25,11 +25,11 @@ def check_inputs(config: TrellisConfig) -> None:
         ("load_from", config.load_from, "config.json"),
         ("tokenizer_path", config.tokenizer_source, None),
     ):
-        problem = _missing(uri, marker, config.storage_options)
+        problem = _missing(Store(uri, config.storage_options), marker)
         if problem:
             problems.append(f"{name}: {problem}")
     for name, dataset in _datasets(config):
-        problem = _missing(dataset.path, None, dataset.storage_options)
+        problem = _missing(Store(dataset.path, dataset.storage_options), None)
         if problem:
             problems.append(f"{name}.path: {problem}")
     problems += user_code_problems(user_code_checks(config), launch_directory(config))
@@ -72,9 +72,10 @@ def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path |
     return problems
 
 
-def _missing(uri: str, marker: str | None, storage_options: dict[str, str]) -> str | None:
+def _missing(location: Store, marker: str | None) -> str | None:
+    uri = location.uri
     try:
-        fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+        fs, path = location.fs()
         if not fs.exists(path):
             return f"{uri} does not exist"
         if marker and not fs.exists(f"{path.rstrip('/')}/{marker}"):

@@ -16,10 +16,11 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.config import RewardConfig
-from engine.data.samples import Status
-from engine.rollout.rewards.runner import RewardRunner
-from engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
+from trellis.engine.config import RewardConfig
+from trellis.engine.data.samples import Status
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
+from trellis.engine.storage.store import Store
 
 CORRECT_ABOVE = 0.5
 
@@ -51,17 +52,16 @@ def rescore_split_name(function: str) -> str:
 
 
 def rescore_run(
-    run_uri: str,
+    run: Store,
     reward: RewardConfig,
     *,
-    storage_options: dict[str, Any] | None = None,
     split: str = "train",
     steps: list[int] | None = None,
     into: str | None = None,
     flow_run_id: str | None = None,
 ) -> Rescore:
-    options = dict(storage_options or {})
-    stored = stored_steps(run_uri, split, options)
+    run_uri, options = run.uri, run.options
+    stored = stored_steps(run, split)
     if not stored:
         raise LakeError(f"{run_uri} has no stored trajectories in split={split}.")
     wanted = stored if steps is None else steps
@@ -76,7 +76,7 @@ def rescore_run(
         for step in wanted:
             rows = _read_rows(f"{partition_uri(run_uri, split, step)}/part-0.parquet", options)
             comparisons.append(_rescore_rows(rows, runner, step, flow_run_id))
-            write_part(pa.Table.from_pylist(rows, schema=SCHEMA), partition_uri(run_uri, target, step), options)
+            write_part(pa.Table.from_pylist(rows, schema=SCHEMA), Store(partition_uri(run_uri, target, step), options))
     return Rescore(target, comparisons)
 
 

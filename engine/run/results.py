@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from engine.run.metrics import RunCounters
+from trellis.engine.run.metrics import RunCounters
 
 T = TypeVar("T", covariant=True)
 

@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.config import TrellisConfig
-from engine.run.metrics import RunCounters
-from engine.storage.lineage import record_checkpoint_lineage
-from engine.storage.checkpoints import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.run.metrics import RunCounters
+from trellis.engine.storage.lineage import record_checkpoint_lineage
+from trellis.engine.storage.checkpoints import (
     TRAIN_STATE,
     CheckpointError,
     SaveStore,
@@ -24,6 +24,7 @@ from engine.storage.checkpoints import (
     require_complete,
     write_json,
 )
+from trellis.engine.storage.store import Store
 
 
 class RunExistsError(CheckpointError):
@@ -48,7 +49,7 @@ def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0, wo
     As in the reference, a resume prefers the run's own latest checkpoint over an explicit
     ``load_checkpoint_cfg.checkpoint_path``: the explicit one is where the run started from.
     """
-    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    latest = SaveStore(Store(config.checkpoint_uri, config.storage_options)).latest()
     resuming = resume or config.auto_resume
     if resuming and latest is not None:
         step, uri = latest
@@ -56,7 +57,7 @@ def plan_start(config: TrellisConfig, *, resume: bool, applied_step: int = 0, wo
     explicit = config.load_checkpoint_cfg.checkpoint_path
     if explicit:
         return StartPlan(
-            action="restore", step=int(require_complete(explicit, config.storage_options)["step"]), checkpoint=explicit.rstrip("/")
+            action="restore", step=int(require_complete(Store(explicit, config.storage_options))["step"]), checkpoint=explicit.rstrip("/")
         )
     if resuming:
         # Live workers with no checkpoint behind them may hold a half-recorded step: start over.
@@ -85,24 +86,24 @@ def train_state(step: int, counters: RunCounters) -> dict[str, float | int]:
 
 def begin_checkpoint(config: TrellisConfig, step: int) -> str:
     """An empty checkpoint folder for ``step``; the workers then write their parts into it."""
-    return SaveStore(config.checkpoint_uri, config.storage_options).begin(step)
+    return SaveStore(Store(config.checkpoint_uri, config.storage_options)).begin(step)
 
 
 def seal_checkpoint(config: TrellisConfig, step: int, state: dict[str, float | int]) -> list[int]:
     """Write the train state and the marker, then prune; returns the pruned steps."""
-    store = SaveStore(config.checkpoint_uri, config.storage_options)
-    write_json(state, f"{store.uri(step)}/{TRAIN_STATE}", config.storage_options)
+    store = SaveStore(Store(config.checkpoint_uri, config.storage_options))
+    write_json(state, Store(f"{store.uri(step)}/{TRAIN_STATE}", config.storage_options))
     record_checkpoint_lineage(config, step)
     store.seal(step, {"policy_version": state["policy_version"]})
     return store.prune(config.checkpoint_maxkeep)
 
 
 def begin_hf_export(config: TrellisConfig, step: int) -> str:
-    return SaveStore(config.hf_uri, config.storage_options).begin(step)
+    return SaveStore(Store(config.hf_uri, config.storage_options)).begin(step)
 
 
 def seal_hf_export(config: TrellisConfig, step: int) -> list[int]:
-    store = SaveStore(config.hf_uri, config.storage_options)
+    store = SaveStore(Store(config.hf_uri, config.storage_options))
     store.seal(step)
     return store.prune(config.hf_max_keep)
 
@@ -113,13 +114,13 @@ def _owner_uri(config: TrellisConfig) -> str:
 
 def record_owner(config: TrellisConfig, owner: str) -> None:
     """Note which orchestrator run (a Prefect flow run id) got this run past its start decision."""
-    write_json({"owner": owner, "at": time.time()}, _owner_uri(config), config.storage_options)
+    write_json({"owner": owner, "at": time.time()}, Store(_owner_uri(config), config.storage_options))
 
 
 def started_by(config: TrellisConfig, owner: str) -> bool:
     """Whether ``owner`` already started this run: only then does its retry resume. A first attempt
     that failed before starting (a refused fresh start, say) is retried as it was asked."""
     try:
-        return read_json(_owner_uri(config), config.storage_options).get("owner") == owner
+        return read_json(Store(_owner_uri(config), config.storage_options)).get("owner") == owner
     except CheckpointError:
         return False

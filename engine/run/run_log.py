@@ -16,13 +16,14 @@ import logging
 import threading
 import time
 import traceback
-from typing import Any, Mapping
+from typing import Mapping
 
 import fsspec
 
-from engine.errors import describe_failure
-from engine.secrets import redact
-from engine.storage.checkpoints import SaveStore, is_local
+from trellis.engine.errors import describe_failure
+from trellis.engine.secrets import redact
+from trellis.engine.storage.checkpoints import SaveStore, is_local
+from trellis.engine.storage.store import Store
 
 FILE_NAME = "run.log"
 CONSOLE_LEVELS = ("INFO", "WARNING", "ERROR")
@@ -37,9 +38,9 @@ class RunLog:
     """Appends lines to one run's log. One instance per process; lines from several threads are
     serialised."""
 
-    def __init__(self, log_dir: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.uri = run_log_uri(log_dir)
-        self._fs, self._path = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))
+    def __init__(self, log_dir: Store) -> None:
+        self.uri = run_log_uri(log_dir.uri)
+        self._fs, self._path = Store(self.uri, log_dir.options).fs()
         self._local = is_local(self._fs)
         self._lock = threading.Lock()
         self._text: str | None = None  # object storage: what the file holds, to rewrite it whole
@@ -73,8 +74,8 @@ class RunLog:
         self.write("STEP", message)
 
 
-def read_run_log(uri: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
-    return _read_text(*fsspec.core.url_to_fs(uri, **dict(storage_options or {})))
+def read_run_log(source: Store) -> str | None:
+    return _read_text(*source.fs())
 
 
 def _read_text(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
@@ -158,7 +159,7 @@ def run_log_for(config) -> RunLog:
     with _logs_lock:
         uri = run_log_uri(config.log_uri)
         if uri not in _logs:
-            _logs[uri] = RunLog(config.log_uri, config.storage_options)
+            _logs[uri] = RunLog(Store(config.log_uri, config.storage_options))
         return _logs[uri]
 
 
@@ -203,7 +204,7 @@ def record_failure(config, error: BaseException, *, during: str, next_move: str)
 def after_failure(config, *, started: bool, attempt: int, retries: int, setting: bool) -> str:
     """What follows a failed attempt of the run: a retry (the retry of an attempt that got past its
     start resumes from the latest complete checkpoint, ``engine.run.resume``) or the end of the run."""
-    latest = SaveStore(config.checkpoint_uri, config.storage_options).latest()
+    latest = SaveStore(Store(config.checkpoint_uri, config.storage_options)).latest()
     checkpoint = f"the step-{latest[0]} checkpoint" if latest else None
     if setting:
         return "the run ends: change that setting (a setting error is not retried)"

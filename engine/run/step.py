@@ -35,8 +35,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from engine.run.metrics import RunCounters, StepRecord, timer
-from engine.run.phases import (
+from trellis.engine.run.metrics import RunCounters, StepRecord, timer
+from trellis.engine.run.phases import (
     CHECK_WEIGHTS,
     COMMIT_CHECKPOINT,
     CONTINUE_PRODUCE,
@@ -55,8 +55,8 @@ from engine.run.phases import (
     WRITE_TRAJECTORIES,
     Phase,
 )
-from engine.run.plan import StepPlan
-from engine.run.results import BatchHandle, Evaluation, Logged, Pending, Prepared, StepOutcome
+from trellis.engine.run.plan import StepPlan
+from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Pending, Prepared, StepOutcome
 
 BATCH_SOURCES = {phase.name: phase for phase in (PRODUCE_BATCH, LOAD_BATCH, GET_BATCH)}
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from engine.config import TrellisConfig
-from engine.rollout.backends.base import RolloutBackend
-from engine.rollout.production.controller import Controller
-from engine.run.plan import Role
-from engine.storage.trackers import Trackers
-from engine.train.worker import TrainingWorker
+from trellis.engine.config import TrellisConfig
+from trellis.engine.rollout.backends.base import RolloutBackend
+from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.run.plan import Role
+from trellis.engine.storage.trackers import Trackers
+from trellis.engine.train.worker import TrainingWorker
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from trellis.engine.storage.store import Store
+
 MARKER = "COMPLETE"
 TRAIN_STATE = "train_state.json"
 _STEP_DIR = re.compile(r"step-(\d{6})$")
@@ -48,12 +50,17 @@ def step_name(step: int) -> str:
 class SaveStore:
     """The step folders under one root (``{run}/checkpoints`` or ``{run}/hf``)."""
 
-    def __init__(self, root_uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
-        self.root = root_uri.rstrip("/")
-        self.fs, self._path = fsspec.core.url_to_fs(self.root, **dict(storage_options or {}))
+    def __init__(self, root: Store) -> None:
+        self.root = root.uri.rstrip("/")
+        self._store = root
+        self.fs, self._path = root.fs()
 
     def uri(self, step: int) -> str:
         return f"{self.root}/{step_name(step)}"
+
+    def store(self, step: int) -> Store:
+        """``step``'s folder, with the options of the root."""
+        return self._store.join(step_name(step))
 
     def steps_on_disk(self) -> list[int]:
         """Steps with a folder, complete or not."""
@@ -115,14 +122,14 @@ class SaveStore:
 # -- files ------------------------------------------------------------------------------------------
 
 
-def upload_folder(local_dir: str | Path, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Copy a local folder's files into ``uri`` through fsspec, streamed in chunks."""
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+def upload_folder(local_dir: str | Path, target: Store) -> None:
+    """Copy a local folder's files into ``target`` through fsspec, streamed in chunks."""
+    fs, path = target.fs()
     fs.makedirs(path, exist_ok=True)
     for name in sorted(os.listdir(local_dir)):
         source = Path(local_dir) / name
         if source.is_dir():
-            upload_folder(source, f"{uri.rstrip('/')}/{name}", storage_options)
+            upload_folder(source, target.join(name))
             continue
         with open(source, "rb") as reader, fs.open(f"{path}/{name}", "wb") as writer:
             shutil.copyfileobj(reader, writer, _CHUNK)
@@ -134,25 +141,25 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 @contextmanager
-def staging_folder(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[str]:
-    """A local folder whose files end up in ``uri``: the folder itself when it is local (no second
+def staging_folder(target: Store) -> Iterator[str]:
+    """A local folder whose files end up in ``target``: the folder itself when it is local (no second
     copy), else a temporary one uploaded when the block ends without an error."""
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+    fs, path = target.fs()
     if is_local(fs):
         fs.makedirs(path, exist_ok=True)
         yield path
         return
     with tempfile.TemporaryDirectory() as tmp:
         yield tmp
-        upload_folder(tmp, uri, storage_options)
+        upload_folder(tmp, target)
 
 
 @contextmanager
-def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[str]:
-    """A local path holding the file at ``uri`` (the file itself when it is already local)."""
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+def downloaded(source: Store) -> Iterator[str]:
+    """A local path holding the file at ``source`` (the file itself when it is already local)."""
+    fs, path = source.fs()
     if not fs.exists(path):
-        raise CheckpointError(f"{uri} does not exist.")
+        raise CheckpointError(f"{source.uri} does not exist.")
     if is_local(fs):
         yield path
         return
@@ -163,58 +170,51 @@ def downloaded(uri: str, storage_options: Mapping[str, Any] | None = None) -> It
         yield local
 
 
-def read_full_weights(uri: str, storage_options: Mapping[str, Any] | None = None, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_full_weights(checkpoint: Store, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A one-rank checkpoint's ``model.safetensors``: its tensors, and the tied names left out of it,
     each mapped to the name holding its data (see ``untied_state_dict``)."""
-    with downloaded(f"{uri.rstrip('/')}/model.safetensors", storage_options) as local:
+    with downloaded(checkpoint.join("model.safetensors")) as local:
         with safe_open(local, framework="pt") as handle:
             aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
         return load_file(local, device=device), aliases
 
 
-def save_object(obj: Any, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    with fs.open(path, "wb") as handle:
+def save_object(obj: Any, target: Store) -> None:
+    with target.open("wb") as handle:
         torch.save(obj, handle)
 
 
-def load_object(uri: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    with downloaded(uri, storage_options) as local:
+def load_object(source: Store) -> Any:
+    with downloaded(source) as local:
         return torch.load(local, map_location="cpu", weights_only=True)
 
 
-def exists(uri: str, storage_options: Mapping[str, Any] | None = None) -> bool:
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-    return fs.exists(path)
-
-
-def write_json(data: Mapping[str, Any], uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+def write_json(data: Mapping[str, Any], target: Store) -> None:
+    fs, path = target.fs()
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
 
 
-def read_json(uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    fs, path = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+def read_json(source: Store) -> dict[str, Any]:
     try:
-        with fs.open(path, "r") as handle:
+        with source.open("r") as handle:
             return json.load(handle)
     except FileNotFoundError:
-        raise CheckpointError(f"{uri} does not exist.") from None
+        raise CheckpointError(f"{source.uri} does not exist.") from None
 
 
-def require_complete(checkpoint_uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def require_complete(checkpoint: Store) -> dict[str, Any]:
     """The train state of a complete checkpoint; a clear error for anything else."""
-    uri = checkpoint_uri.rstrip("/")
-    if not exists(uri, storage_options):
+    uri = checkpoint.uri.rstrip("/")
+    if not checkpoint.exists():
         raise CheckpointError(f"Checkpoint {uri} does not exist.")
-    if not exists(f"{uri}/{MARKER}", storage_options):
+    if not checkpoint.join(MARKER).exists():
         raise CheckpointError(
             f"Checkpoint {uri} is incomplete (no {MARKER} marker): its write was interrupted. "
             "Resume from an earlier one."
         )
-    return read_json(f"{uri}/{TRAIN_STATE}", storage_options)
+    return read_json(checkpoint.join(TRAIN_STATE))
 
 
 def untied_state_dict(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.samples import RolloutSample, Status
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.storage.store import Store
 
 SCHEMA = pa.schema(
     [
@@ -104,12 +104,11 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -
 
 
 def write_samples(
-    samples: list[RolloutSample], *, run_uri: str, run: str, split: str, step: int, storage_options: dict[str, str] | None = None,
-    lineage: RowLineage | None = None,
+    samples: list[RolloutSample], *, root: Store, run: str, split: str, step: int, lineage: RowLineage | None = None,
 ) -> str:
-    """Write one step's samples as one Parquet part; return the part's URI."""
+    """Write one step's samples as one Parquet part under ``root`` (the run's folder); return the part's URI."""
     table = pa.Table.from_pylist([to_row(s, run, lineage) for s in samples], schema=SCHEMA)
-    return write_part(table, partition_uri(run_uri, split, step), storage_options)
+    return write_part(table, Store(partition_uri(root.uri, split, step), root.options))
 
 
 def produced_uri(run_uri: str, round_index: int) -> str:
@@ -117,31 +116,31 @@ def produced_uri(run_uri: str, round_index: int) -> str:
     return f"{run_uri.rstrip('/')}/produced/round={round_index:06d}"
 
 
-def write_part(table: pa.Table, folder_uri: str, storage_options: dict[str, Any] | None = None, *, part: int = 0) -> str:
-    """``table`` as ``{folder_uri}/part-{part}.parquet``, written under a temporary name and renamed,
+def write_part(table: pa.Table, folder: Store, *, part: int = 0) -> str:
+    """``table`` as ``{folder}/part-{part}.parquet``, written under a temporary name and renamed,
     so a reader never sees half a file and writing a part again replaces it."""
-    return write_table(table, f"{folder_uri}/part-{part}.parquet", storage_options)
+    return write_table(table, folder.join(f"part-{part}.parquet"))
 
 
-def write_table(table: pa.Table, file_uri: str, storage_options: dict[str, Any] | None = None) -> str:
-    """``table`` as the Parquet file ``file_uri``, written under a temporary name beside it and renamed."""
-    fs, path = fsspec.core.url_to_fs(file_uri, **(storage_options or {}))
+def write_table(table: pa.Table, target: Store) -> str:
+    """``table`` as the Parquet file ``target``, written under a temporary name beside it and renamed."""
+    fs, path = target.fs()
     folder, name = path.rsplit("/", 1)
     fs.makedirs(folder, exist_ok=True)
     temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
     with fs.open(temporary, "wb") as handle:
         pq.write_table(table, handle)
     fs.mv(temporary, path)
-    return file_uri
+    return target.uri
 
 
 class LakeError(RuntimeError):
     """A lake partition is missing or cannot be turned back into samples."""
 
 
-def stored_steps(run_uri: str, split: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+def stored_steps(run: Store, split: str) -> list[int]:
     """Steps that have a part in ``{run}/trajectories/split={split}``."""
-    fs, folder = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories/split={split}", **(storage_options or {}))
+    fs, folder = run.join("trajectories", f"split={split}").fs()
     fs.invalidate_cache()
     if not fs.exists(folder):
         return []
@@ -153,11 +152,11 @@ def stored_steps(run_uri: str, split: str, storage_options: dict[str, Any] | Non
     return sorted(steps)
 
 
-def read_groups(run_uri: str, split: str, step: int, storage_options: dict[str, Any] | None = None) -> list[list[RolloutSample]]:
+def read_groups(run: Store, split: str, step: int) -> list[list[RolloutSample]]:
     """One stored step back as groups of samples, in the order they were produced: what
     ``debug_train`` replays into training (token ids, rollout logprobs, rewards, statuses)."""
-    uri = f"{partition_uri(run_uri, split, step)}/part-0.parquet"
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    uri = f"{partition_uri(run.uri, split, step)}/part-0.parquet"
+    fs, path = Store(uri, run.options).fs()
     if not fs.exists(path):
         raise LakeError(f"No stored batch for step {step}: {uri} does not exist.")
     with fs.open(path, "rb") as handle:

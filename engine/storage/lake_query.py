@@ -20,9 +20,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from engine.storage.checkpoints import SaveStore
-from engine.storage.lake import stored_steps
-from engine.storage.runs import RunNotFoundError, RunRef, run_folders
+from trellis.engine.storage.checkpoints import SaveStore
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.lake import stored_steps
+from trellis.engine.storage.runs import RunNotFoundError, RunRef, run_folders
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class RunSummary:
     hf_steps: tuple[int, ...]  # complete HF exports only
 
 
-def list_runs(work_dir: str, storage_options: dict[str, Any] | None = None) -> list[RunSummary]:
-    return [run_summary(ref) for ref in run_folders(work_dir, storage_options)]
+def list_runs(work_dir: Store) -> list[RunSummary]:
+    return [run_summary(ref) for ref in run_folders(work_dir)]
 
 
 def run_summary(ref: RunRef) -> RunSummary:
@@ -85,8 +86,8 @@ def run_summary(ref: RunRef) -> RunSummary:
         last_reward=metrics[trained[-1]]["response/rewards/mean"] if trained else None,
         last_eval_accuracy=metrics[evaluated[-1]]["eval/accuracy"] if evaluated else None,
         last_eval_step=evaluated[-1] if evaluated else None,
-        checkpoint_steps=tuple(SaveStore(f"{ref.uri}/checkpoints", ref.storage_options).complete_steps()),
-        hf_steps=tuple(SaveStore(f"{ref.uri}/hf", ref.storage_options).complete_steps()),
+        checkpoint_steps=tuple(SaveStore(ref.join("checkpoints")).complete_steps()),
+        hf_steps=tuple(SaveStore(ref.join("hf")).complete_steps()),
     )
 
 
@@ -210,7 +211,7 @@ def prompt_text(messages: list[dict[str, str]] | None) -> str:
 
 
 def _missing_step(ref: RunRef, fs: fsspec.AbstractFileSystem, path: str, split: str, step: int) -> str:
-    steps = stored_steps(ref.uri, split, ref.storage_options)
+    steps = stored_steps(ref, split)
     if steps:
         return f"{ref.name} has no {split} step {step}; stored {split} steps: {step_ranges(steps)}."
     root = f"{path}/trajectories"

@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.samples import RolloutSample
-from engine.storage.lake import write_part, write_table
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.storage.lake import write_part, write_table
+from trellis.engine.storage.store import Store
 
 ENDING = ("trained", "failed", "filtered", "invalid", "given_up")
 STATUSES = (*ENDING, "expired")
@@ -130,14 +130,12 @@ def ledger_root(run_uri: str) -> str:
     return f"{run_uri.rstrip('/')}/ledger"
 
 
-def write_step(
-    rows: list[dict[str, Any]], entries: LedgerEntries, *, run_uri: str, run: str, step: int,
-    storage_options: dict[str, Any] | None = None,
-) -> None:
-    """The step's resolved groups and open prompts (each part replaced when the step runs again)."""
-    root = ledger_root(run_uri)
+def write_step(rows: list[dict[str, Any]], entries: LedgerEntries, *, store: Store, run: str, step: int) -> None:
+    """The step's resolved groups and open prompts (each part replaced when the step runs again);
+    ``store``: the run's folder."""
+    root = store.join("ledger")
     groups = [{"run": run, "train_step": step, **row} for row in [*rows, *entries.resolved]]
-    write_part(pa.Table.from_pylist(groups, schema=GROUPS), f"{root}/groups/step={step:06d}", storage_options)
+    write_part(pa.Table.from_pylist(groups, schema=GROUPS), root.join("groups", f"step={step:06d}"))
     state = [
         {"run": run, "train_step": step, "sampler": d.sampler, "kind": "drawn", "epoch": d.epoch, "position": d.position}
         for d in entries.drawn
@@ -145,26 +143,24 @@ def write_step(
         {"run": run, "train_step": step, "sampler": s, "kind": "open", "epoch": e, "prompt_index": p, "group_id": g}
         for s, e, p, g in entries.open
     ]
-    write_part(pa.Table.from_pylist(state, schema=OPEN), f"{root}/open/step={step:06d}", storage_options)
+    write_part(pa.Table.from_pylist(state, schema=OPEN), root.join("open", f"step={step:06d}"))
 
 
 def universe_uri(run_uri: str, sampler: str, epoch: int) -> str:
     return f"{ledger_root(run_uri)}/universe/{sampler}/epoch-{epoch:06d}.parquet"
 
 
-def write_universe(
-    prompt_indices: list[int], *, run_uri: str, run: str, sampler: str, epoch: int, storage_options: dict[str, Any] | None = None
-) -> None:
+def write_universe(prompt_indices: list[int], *, store: Store, run: str, sampler: str, epoch: int) -> None:
     rows = [
         {"run": run, "sampler": sampler, "epoch": epoch, "position": position, "prompt_index": index}
         for position, index in enumerate(prompt_indices)
     ]
-    write_table(pa.Table.from_pylist(rows, schema=UNIVERSE), universe_uri(run_uri, sampler, epoch), storage_options)
+    write_table(pa.Table.from_pylist(rows, schema=UNIVERSE), Store(universe_uri(store.uri, sampler, epoch), store.options))
 
 
-def written_epochs(run_uri: str, sampler: str, storage_options: dict[str, Any] | None = None) -> set[int]:
-    """The epochs of ``sampler`` whose universe is already written."""
-    fs, folder = fsspec.core.url_to_fs(f"{ledger_root(run_uri)}/universe/{sampler}", **(storage_options or {}))
+def written_epochs(store: Store, sampler: str) -> set[int]:
+    """The epochs of ``sampler`` whose universe is already written in the run ``store``."""
+    fs, folder = store.join("ledger", "universe", sampler).fs()
     fs.invalidate_cache()
     if not fs.exists(folder):
         return set()
@@ -172,18 +168,18 @@ def written_epochs(run_uri: str, sampler: str, storage_options: dict[str, Any] |
     return {int(name[len("epoch-") : -len(".parquet")]) for name in names if name.startswith("epoch-") and name.endswith(".parquet")}
 
 
-def read_universe(run_uri: str, sampler: str, epoch: int, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """``sampler``'s prompt indices of ``epoch`` in draw order."""
-    with fsspec.open(universe_uri(run_uri, sampler, epoch), "rb", **(storage_options or {})) as handle:
+def read_universe(store: Store, sampler: str, epoch: int) -> list[int]:
+    """``sampler``'s prompt indices of ``epoch`` in draw order, from the run ``store``."""
+    with Store(universe_uri(store.uri, sampler, epoch), store.options).open("rb") as handle:
         table = pq.read_table(handle, columns=["position", "prompt_index"], use_threads=False)
     return [index for _, index in sorted(zip(table["position"].to_pylist(), table["prompt_index"].to_pylist()))]
 
 
-def forget_after(run_uri: str, step: int, storage_options: dict[str, Any] | None = None) -> list[int]:
-    """Remove the parts of the steps after ``step`` (a run starting again from ``step`` makes them
-    anew, perhaps from other prompts); returns the removed steps. The universe stays: the controller
-    writes it again where it no longer matches the samplers."""
-    fs, root = fsspec.core.url_to_fs(ledger_root(run_uri), **(storage_options or {}))
+def forget_after(store: Store, step: int) -> list[int]:
+    """Remove the parts of the run ``store``'s steps after ``step`` (a run starting again from ``step``
+    makes them anew, perhaps from other prompts); returns the removed steps. The universe stays: the
+    controller writes it again where it no longer matches the samplers."""
+    fs, root = store.join("ledger").fs()
     fs.invalidate_cache()
     removed: set[int] = set()
     for table in ("groups", "open"):

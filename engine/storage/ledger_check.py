@@ -15,7 +15,8 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from engine.storage.ledger import ENDING, STATUSES, ledger_root
+from trellis.engine.storage.ledger import ENDING, STATUSES
+from trellis.engine.storage.store import Store
 
 Prompt = tuple[str, int, int]  # (sampler, epoch, prompt_index)
 
@@ -57,8 +58,9 @@ class LedgerCheck:
         return not self.outside and all(epoch.ok for epoch in self.epochs)
 
 
-def check_ledger(run_uri: str, storage_options: dict[str, Any] | None = None, epoch: int | None = None) -> LedgerCheck:
-    fs, root = fsspec.core.url_to_fs(ledger_root(run_uri), **(storage_options or {}))
+def check_ledger(run: Store, epoch: int | None = None) -> LedgerCheck:
+    run_uri = run.uri
+    fs, root = run.join("ledger").fs()
     fs.invalidate_cache()
     groups = _read_parts(fs, root, "groups")
     state = _read_parts(fs, root, "open")

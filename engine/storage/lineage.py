@@ -21,15 +21,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-import fsspec
 
-from engine.storage.checkpoints import (
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
-    exists,
     read_json,
     write_json,
 )
+from trellis.engine.storage.store import Store
 
 _STEP_IN_NAME = re.compile(r"step-(\d+)/?$")
 _PARTITION = re.compile(r"split=([^/]+)/step=(\d+)/")
@@ -51,9 +50,9 @@ def checkpoint_step(uri: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _read_or_none(uri: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _read_or_none(source: Store) -> dict[str, Any] | None:
     try:
-        return read_json(uri, storage_options)
+        return read_json(source)
     except CheckpointError:
         return None
 
@@ -78,14 +77,13 @@ def record_run_origin(config, start) -> None:
         return
     write_json(
         {"run": config.run_uri, "experiment_name": config.experiment_name, "origin": run_origin(config), "at": time.time()},
-        f"{lineage_root(config.run_uri)}/run.json",
-        config.storage_options,
+        Store(f"{lineage_root(config.run_uri)}/run.json", config.storage_options),
     )
 
 
 def policy_checkpoints(config, versions: Iterable[int]) -> dict[int, str | None]:
     """The checkpoint (or model) each policy version was saved as; None for one that never was."""
-    store = SaveStore(config.checkpoint_uri, config.storage_options)
+    store = SaveStore(Store(config.checkpoint_uri, config.storage_options))
     origin = run_origin(config)
     found: dict[int, str | None] = {}
     for version in sorted(set(versions)):
@@ -111,23 +109,23 @@ def record_step(
         "checkpoints": {str(v): c for v, c in sorted(checkpoints.items())},
         "at": time.time(),
     }
-    write_json(record, uri, config.storage_options)
+    write_json(record, Store(uri, config.storage_options))
     return uri
 
 
 def checkpoint_lineage(config, step: int) -> dict[str, Any]:
     """What the checkpoint of ``step`` continued and trained on: written into it before it is sealed."""
-    store = SaveStore(config.checkpoint_uri, config.storage_options)
+    store = SaveStore(Store(config.checkpoint_uri, config.storage_options))
     earlier = [s for s in store.complete_steps() if s < step]
     if earlier:
         parent = {"kind": "checkpoint", "uri": store.uri(earlier[-1]), "step": earlier[-1], "run": config.run_uri}
     else:
-        parent = _read_or_none(f"{lineage_root(config.run_uri)}/run.json", config.storage_options)
+        parent = _read_or_none(Store(f"{lineage_root(config.run_uri)}/run.json", config.storage_options))
         parent = parent["origin"] if parent else run_origin(config)
     first = int(parent.get("step") or 0) + 1
     trained_on = []
     for trained in range(first, step + 1):
-        record = _read_or_none(step_record_uri(config.run_uri, "train", trained), config.storage_options)
+        record = _read_or_none(Store(step_record_uri(config.run_uri, "train", trained), config.storage_options))
         if record is not None:
             trained_on.append({k: record[k] for k in ("step", "flow_run_id", "partition", "policy_versions")})
     return {
@@ -142,29 +140,26 @@ def checkpoint_lineage(config, step: int) -> dict[str, Any]:
 
 def record_checkpoint_lineage(config, step: int) -> None:
     lineage = checkpoint_lineage(config, step)
-    write_json(lineage, f"{lineage['checkpoint']}/{LINEAGE_FILE}", config.storage_options)
+    write_json(lineage, Store(f"{lineage['checkpoint']}/{LINEAGE_FILE}", config.storage_options))
 
 
 def record_evaluation(
-    run_uri: str, storage_options: Mapping[str, Any], *, step: int, checkpoint: str, flow_run_id: str | None,
-    partition: str, metrics: Mapping[str, float],
+    run: Store, *, step: int, checkpoint: str, flow_run_id: str | None, partition: str, metrics: Mapping[str, float],
 ) -> str:
-    uri = f"{lineage_root(run_uri)}/evaluations/step={step:06d}.json"
+    target = run.join("lineage", "evaluations", f"step={step:06d}.json")
     record = {"step": step, "checkpoint": checkpoint, "flow_run_id": flow_run_id, "partition": partition,
               "metrics": dict(metrics), "at": time.time()}
-    write_json(record, uri, storage_options)
-    return uri
+    write_json(record, target)
+    return target.uri
 
 
-def record_export(
-    run_uri: str, storage_options: Mapping[str, Any], *, step: int, checkpoint: str, export_uri: str, flow_run_id: str | None
-) -> str:
-    uri = f"{lineage_root(run_uri)}/exports/step={step:06d}.json"
-    previous = _read_or_none(uri, storage_options) or {"exports": []}
+def record_export(run: Store, *, step: int, checkpoint: str, export_uri: str, flow_run_id: str | None) -> str:
+    target = run.join("lineage", "exports", f"step={step:06d}.json")
+    previous = _read_or_none(target) or {"exports": []}
     exports = [e for e in previous["exports"] if e["uri"] != export_uri]
     exports.append({"uri": export_uri, "checkpoint": checkpoint, "flow_run_id": flow_run_id, "at": time.time()})
-    write_json({"step": step, "exports": exports}, uri, storage_options)
-    return uri
+    write_json({"step": step, "exports": exports}, target)
+    return target.uri
 
 
 # -- read by operators -----------------------------------------------------------------------------
@@ -180,30 +175,30 @@ class Link:
     flow_runs: list[str] = field(default_factory=list)
 
 
-def lineage_chain(run_uri: str, step: int, storage_options: Mapping[str, Any] | None = None) -> list[Link]:
+def lineage_chain(run: Store, step: int) -> list[Link]:
     """evaluation ← export ← checkpoint ← trajectories ← flow runs ← origin, for the checkpoint of ``step``."""
-    options = dict(storage_options or {})
-    store = SaveStore(f"{run_uri.rstrip('/')}/checkpoints", options)
+    run_uri = run.uri
+    store = SaveStore(run.join("checkpoints"))
     checkpoint = store.uri(step)
     if not store.is_complete(step):
         complete = store.complete_steps()
-        state = "is incomplete" if exists(checkpoint, options) else "does not exist"
+        state = "is incomplete" if store.store(step).exists() else "does not exist"
         raise CheckpointError(
             f"The checkpoint of step {step} {state} ({checkpoint}). Complete checkpoints of this run: "
             f"{', '.join(map(str, complete)) or 'none'}."
         )
     chain: list[Link] = []
-    evaluation = _read_or_none(f"{lineage_root(run_uri)}/evaluations/step={step:06d}.json", options)
+    evaluation = _read_or_none(run.join("lineage", "evaluations", f"step={step:06d}.json"))
     if evaluation is not None:
         shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(evaluation["metrics"].items()) if "/" not in k and k != "samples")
         chain.append(Link("evaluation", shown, evaluation["partition"], [evaluation["flow_run_id"]] if evaluation["flow_run_id"] else []))
-    exports = _read_or_none(f"{lineage_root(run_uri)}/exports/step={step:06d}.json", options)
+    exports = _read_or_none(run.join("lineage", "exports", f"step={step:06d}.json"))
     for export in (exports or {}).get("exports", []):
         chain.append(Link("export", "HF folder", export["uri"], [export["flow_run_id"]] if export["flow_run_id"] else []))
-    trained_export = SaveStore(f"{run_uri.rstrip('/')}/hf", options)
+    trained_export = SaveStore(run.join("hf"))
     if trained_export.is_complete(step):
         chain.append(Link("export", "HF folder written by the run", trained_export.uri(step)))
-    lineage = _read_or_none(f"{checkpoint}/{LINEAGE_FILE}", options)
+    lineage = _read_or_none(store.store(step).join(LINEAGE_FILE))
     if lineage is None:  # written by a trellis without lineage: say what is known
         chain.append(Link("checkpoint", f"step {step} (no lineage recorded)", checkpoint))
         return chain
@@ -223,14 +218,15 @@ def lineage_chain(run_uri: str, step: int, storage_options: Mapping[str, Any] | 
 
 
 
-def trace_sample(run_uri: str, rollout_id: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def trace_sample(run: Store, rollout_id: str) -> dict[str, Any]:
     """One trajectory row's lineage: its split and step, policy version, checkpoint and flow run."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from engine.storage.lake import LakeError
+    from trellis.engine.storage.lake import LakeError
 
-    fs, path = fsspec.core.url_to_fs(f"{run_uri.rstrip('/')}/trajectories", **dict(storage_options or {}))
+    run_uri = run.uri
+    fs, path = run.join("trajectories").fs()
     if not fs.exists(path):
         raise LakeError(f"{run_uri} has no trajectories.")
     # One file at a time through fsspec, on this thread: a pyarrow dataset over a Python filesystem

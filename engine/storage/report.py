@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from trellis.engine.storage.store import Store
 
 Records = list[dict[str, Any]]
 
@@ -74,16 +75,16 @@ class Report:
         return "\n".join(lines + ["", f"Plots: [{self.html_uri}]({link or self.html_uri})"])
 
 
-def write_report(run_uri: str, out_uri: str | None = None, storage_options: dict | None = None) -> Report:
-    """Plots and ``index.html`` of the run at ``run_uri`` into ``out_uri`` (default ``{run_uri}/report``)."""
-    options = dict(storage_options or {})
-    run_uri = run_uri.rstrip("/")
+def write_report(run: Store, out_uri: str | None = None) -> Report:
+    """Plots and ``index.html`` of the run in ``run`` into ``out_uri`` (default ``{run}/report``, with the
+    run's storage options either way)."""
+    run_uri = run.uri.rstrip("/")
     out_uri = (out_uri or f"{run_uri}/report").rstrip("/")
-    records = read_metrics(run_uri, options)
+    records = read_metrics(run)
     headline = headline_figures(records)
     pngs = {panel.name: png for panel in PANELS if (png := draw_panel(panel, records)) is not None}
 
-    fs, out_path = fsspec.core.url_to_fs(out_uri, **options)
+    fs, out_path = Store(out_uri, run.options).fs()
     fs.makedirs(out_path, exist_ok=True)
     png_uris = {}
     for name, png in pngs.items():
@@ -93,10 +94,11 @@ def write_report(run_uri: str, out_uri: str | None = None, storage_options: dict
     return Report(html_uri=f"{out_uri}/index.html", png_uris=png_uris, headline=headline)
 
 
-def read_metrics(run_uri: str, storage_options: dict) -> Records:
+def read_metrics(run: Store) -> Records:
     """metrics.jsonl's records, one per step, in step order."""
-    uri = f"{run_uri}/logs/metrics.jsonl"
-    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+    run_uri, metrics = run.uri.rstrip("/"), run.join("logs", "metrics.jsonl")
+    uri = metrics.uri
+    fs, path = metrics.fs()
     fs.invalidate_cache()
     if not fs.exists(path):
         raise ReportError(f"The run at {run_uri} has no metrics yet: {uri} does not exist.")

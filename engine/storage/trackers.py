@@ -7,12 +7,12 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from engine.config import TrellisConfig
+from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.store import Store
 
 
 class Tracker(Protocol):
@@ -24,9 +24,9 @@ class Tracker(Protocol):
 class JsonlTracker:
     """One JSON object per step in ``metrics.jsonl`` (any fsspec URI); flushed every step."""
 
-    def __init__(self, uri: str, storage_options: dict[str, str] | None = None) -> None:
-        self._uri = uri
-        self._fs, self._path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    def __init__(self, target: Store) -> None:
+        self._uri = target.uri
+        self._fs, self._path = target.fs()
         self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
         self._lines: list[str] = []
         if self._fs.exists(self._path):
@@ -54,9 +54,8 @@ class TensorboardTracker:
 
     def __init__(
         self,
-        log_dir: str,
+        log_dir: Store,
         purge_step: int | None = None,
-        storage_options: dict[str, Any] | None = None,
         upload_every_s: float = 30.0,
     ) -> None:
         """``purge_step``: a resumed run hides the events it is about to write again."""
@@ -64,7 +63,7 @@ class TensorboardTracker:
             SummaryWriter,  # needs the tensorboard package
         )
 
-        self._fs, self._path = fsspec.core.url_to_fs(log_dir, **(storage_options or {}))
+        self._fs, self._path = log_dir.fs()
         self._remote = not isinstance(self._fs, LocalFileSystem)
         self._local = tempfile.mkdtemp(prefix="trellis-tensorboard-") if self._remote else self._path
         self._writer = SummaryWriter(log_dir=self._local, purge_step=purge_step)
@@ -97,11 +96,11 @@ class Trackers:
     resumed run (``first_step`` > 1) drops what it is about to write again."""
 
     def __init__(self, config: TrellisConfig, first_step: int) -> None:
-        logs = f"{config.run_uri}/logs"
-        self._trackers: list[Tracker] = [JsonlTracker(f"{logs}/metrics.jsonl", config.storage_options)]
+        logs = Store(config.run_uri, config.storage_options).join("logs")
+        self._trackers: list[Tracker] = [JsonlTracker(logs.join("metrics.jsonl"))]
         if config.exp_tracker == "tensorboard":
             purge = first_step if first_step > 1 else None
-            self._trackers.append(TensorboardTracker(f"{logs}/tensorboard", purge, config.storage_options))
+            self._trackers.append(TensorboardTracker(logs.join("tensorboard"), purge))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for tracker in self._trackers:

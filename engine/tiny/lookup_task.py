@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine.tiny.files import write_rows
+from trellis.engine.tiny.files import write_rows
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 KEY_LENGTH = 4  # fixed, so each copied letter sits at one distance: what a ~1M model learns fast
@@ -86,7 +86,7 @@ FIRST_TURN_STEPS = 100  # the tool call alone first; then whole sessions
 
 def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
     """The tiny model and tokenizer warmed up on this task (``trellis tiny-model --task lookup``)."""
-    from engine.tiny.model import build_tiny_checkpoint
+    from trellis.engine.tiny.model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(
         out_dir, warmup=warmup, make_example=make_example, warmup_steps=WARMUP_STEPS,

@@ -19,7 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine.tiny.reverse_task import make_example
+from trellis.engine.tiny.reverse_task import make_example
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # ChatML; a tool message is shown as the user's <tool_response>, and an assistant message's OpenAI

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine.tiny.files import write_rows
+from trellis.engine.tiny.files import write_rows
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 DATA_SOURCE = "reverse"
@@ -47,6 +47,6 @@ def partial_score(sample: dict[str, Any]) -> float:
 
 def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
     """The tiny model and tokenizer warmed up on this task (``trellis tiny-model``)."""
-    from engine.tiny.model import build_tiny_checkpoint
+    from trellis.engine.tiny.model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(out_dir, warmup=warmup)

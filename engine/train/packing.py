@@ -22,7 +22,7 @@ from typing import Self
 
 import torch
 
-from engine.data.prepare import IGNORE, TrainSequence
+from trellis.engine.data.prepare import IGNORE, TrainSequence
 
 
 class LabelRows:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
@@ -30,70 +29,59 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from engine.storage.checkpoints import CheckpointError
+from trellis.engine.storage.checkpoints import CheckpointError
+from trellis.engine.storage.store import Store
 
 MODEL = "model"
 OPTIM = "optim"
 METADATA = ".metadata"  # DCP's own name; it renames it into place once every rank has written
 
 
-def save_sharded(
-    folder_uri: str,
-    storage_options: Mapping[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-) -> None:
-    """Write ``model`` (and ``optimizer``) under ``folder_uri``, a new or empty folder such as
+def save_sharded(folder: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Write ``model`` (and ``optimizer``) under ``folder``, a new or empty folder such as
     ``SaveStore.begin`` returns. Every rank of the default process group calls this."""
-    folder = folder_uri.rstrip("/")
     if optimizer is not None:
-        _save(get_optimizer_state_dict(model, optimizer), f"{folder}/{OPTIM}", storage_options)
-    _save(get_model_state_dict(model), f"{folder}/{MODEL}", storage_options)
+        _save(get_optimizer_state_dict(model, optimizer), folder.join(OPTIM))
+    _save(get_model_state_dict(model), folder.join(MODEL))
 
 
-def load_sharded(
-    folder_uri: str,
-    storage_options: Mapping[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-) -> None:
+def load_sharded(folder_store: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load a checkpoint written by ``save_sharded`` at any world size into ``model`` (and
     ``optimizer``), sharded or not. Every rank of the default process group, if any, calls this."""
-    folder = folder_uri.rstrip("/")
-    if not is_sharded(folder, storage_options):
-        fs, path = fsspec.core.url_to_fs(folder, **storage_options)
-        what = "does not exist" if not fs.exists(path) else f"holds no sharded checkpoint (no {MODEL}/{METADATA})"
+    folder, options = folder_store.uri.rstrip("/"), folder_store.options
+    if not is_sharded(folder_store):
+        what = "does not exist" if not folder_store.exists() else f"holds no sharded checkpoint (no {MODEL}/{METADATA})"
         raise CheckpointError(f"{folder} {what}.")
-    if optimizer is not None and not _exists(f"{folder}/{OPTIM}/{METADATA}", storage_options):
+    if optimizer is not None and not _exists(folder_store.join(OPTIM, METADATA)):
         raise CheckpointError(
             f"{folder} was saved without optimizer state; load it without an optimizer to start with fresh AdamW moments."
         )
 
     weights = get_model_state_dict(model)
-    reader = FsspecReader(f"{folder}/{MODEL}", **storage_options)
+    reader = FsspecReader(f"{folder}/{MODEL}", **options)
     _check_weights(weights, reader.read_metadata(), f"{folder}/{MODEL}")
     _load(weights, reader, f"{folder}/{MODEL}")
     set_model_state_dict(model, weights)
     if optimizer is None:
         return
     state = get_optimizer_state_dict(model, optimizer)  # creates AdamW's moments if no step ran yet
-    reader = FsspecReader(f"{folder}/{OPTIM}", **storage_options)
+    reader = FsspecReader(f"{folder}/{OPTIM}", **options)
     stored = {path[1] for path in reader.read_metadata().planner_data.values() if path[0] == "state"}
     _check_names(set(state["state"]), stored, f"{folder}/{OPTIM}", "optimizer state")
     _load(state, reader, f"{folder}/{OPTIM}")
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def is_sharded(folder_uri: str, storage_options: Mapping[str, Any]) -> bool:
-    """Whether ``folder_uri`` holds a complete checkpoint written by ``save_sharded``."""
-    return _exists(f"{folder_uri.rstrip('/')}/{MODEL}/{METADATA}", storage_options)
+def is_sharded(folder: Store) -> bool:
+    """Whether ``folder`` holds a complete checkpoint written by ``save_sharded``."""
+    return _exists(folder.join(MODEL, METADATA))
 
 
-def _save(state: dict[str, Any], uri: str, storage_options: Mapping[str, Any]) -> None:
-    fs, _ = fsspec.core.url_to_fs(uri, **storage_options)
+def _save(state: dict[str, Any], target: Store) -> None:
+    fs, _ = target.fs()
     # fsync is only possible on local files; on object stores DCP falls back to os.sync(), which
     # flushes every disk of the machine once per file.
-    writer = FsspecWriter(uri, sync_files=isinstance(fs, LocalFileSystem), **storage_options)
+    writer = FsspecWriter(target.uri, sync_files=isinstance(fs, LocalFileSystem), **target.options)
     dcp.save(state, storage_writer=writer)
 
 
@@ -125,7 +113,7 @@ def _check_names(model_names: set[str], stored: set[str], uri: str, what: str) -
         )
 
 
-def _exists(uri: str, storage_options: Mapping[str, Any]) -> bool:
-    fs, path = fsspec.core.url_to_fs(uri, **storage_options)
+def _exists(target: Store) -> bool:
+    fs, path = target.fs()
     fs.invalidate_cache(path)  # another process may have written it since this one last looked
     return fs.exists(path)

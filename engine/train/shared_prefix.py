@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.data.prepare import IGNORE, TrainSequence
-from engine.data.token_rows import left_pad, unique_rows
-from engine.train.packing import LabelRows, label_index
+from trellis.engine.data.prepare import IGNORE, TrainSequence
+from trellis.engine.data.token_rows import left_pad, unique_rows
+from trellis.engine.train.packing import LabelRows, label_index
 
 
 @dataclass

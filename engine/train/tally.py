@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from engine.data.prepare import TrainSequence
+from trellis.engine.data.prepare import TrainSequence
 
 
 def lr_factor(step: int, *, warmup: int, total: int, kind: str, min_ratio: float) -> float:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.compat import FLASH_VARLEN_PARAMS as _FLASH_PARAMS
-from engine.compat import flash_varlen_attention as _flash_varlen
+from trellis.engine.compat import FLASH_VARLEN_PARAMS as _FLASH_PARAMS
+from trellis.engine.compat import flash_varlen_attention as _flash_varlen
 
 NAME = "trellis_varlen"
 NAME_FA4 = "trellis_varlen_fa4"

@@ -10,47 +10,46 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.algo.losses import (
+from trellis.engine.algo.losses import (
     aggregate,
     mismatch_sums,
     policy_objective,
     rollout_is_weights,
 )
-from engine.compat import enable_activation_checkpointing
-from engine.config import TrainWorkerConfig, TrellisConfig
-from engine.data.prepare import PreparedBatch, TrainSequence
-from engine.devices import resolve_device
-from engine.errors import SettingError
-from engine.rng import capture_rng, restore_rng
-from engine.storage.checkpoints import (
+from trellis.engine.compat import enable_activation_checkpointing
+from trellis.engine.config import TrainWorkerConfig, TrellisConfig
+from trellis.engine.data.prepare import PreparedBatch, TrainSequence
+from trellis.engine.devices import resolve_device
+from trellis.engine.errors import SettingError
+from trellis.engine.rng import capture_rng, restore_rng
+from trellis.engine.storage.checkpoints import (
     CheckpointError,
-    exists,
     load_object,
     read_full_weights,
     save_object,
     staging_folder,
     untied_state_dict,
 )
-from engine.train import fsdp
-from engine.train.compile import compile_decoder
-from engine.train.logprob_head import Policy, output_head
-from engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
-from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
-from engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
-from engine.train.tally import (
+from trellis.engine.storage.store import Store
+from trellis.engine.train import fsdp
+from trellis.engine.train.compile import compile_decoder
+from trellis.engine.train.logprob_head import Policy, output_head
+from trellis.engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
+from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from trellis.engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
+from trellis.engine.train.tally import (
     Tally,
     average,
     lr_factor,
     mini_batch_metrics,
     split_evenly,
 )
-from engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
+from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
 
 logger = logging.getLogger(__name__)
 
@@ -282,59 +281,59 @@ class TrainingWorker:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, save_optimizer: bool) -> None:
+    def save_checkpoint(self, checkpoint: Store, *, save_optimizer: bool) -> None:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states.
         Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
         size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
         state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
         if self._world > 1:
-            save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
+            save_sharded(checkpoint, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
-            save_object(state, f"{uri.rstrip('/')}/{name}", storage_options)
+            save_object(state, checkpoint.join(name))
             return
         tensors, aliases = untied_state_dict(self.export_weights())
-        with staging_folder(uri, storage_options) as folder:
+        with staging_folder(checkpoint) as folder:
             save_file(tensors, f"{folder}/model.safetensors", metadata={"aliases": json.dumps(aliases)})
             if save_optimizer:
                 torch.save(fsdp.optimizer_state(self.model, self.optimizer), f"{folder}/optimizer.pt")
             torch.save(state, f"{folder}/trainer.pt")
 
-    def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
+    def load_checkpoint(self, checkpoint: Store, *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
-        uri = uri.rstrip("/")
-        if is_sharded(uri, storage_options):
-            if load_optimizer and not exists(f"{uri}/optim", storage_options):
+        uri = checkpoint.uri.rstrip("/")
+        if is_sharded(checkpoint):
+            if load_optimizer and not checkpoint.join("optim").exists():
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
-            load_sharded(uri, storage_options, self.model, self.optimizer if load_optimizer else None)
+            load_sharded(checkpoint, self.model, self.optimizer if load_optimizer else None)
         else:
-            self._load_full_weights(uri, storage_options)
+            self._load_full_weights(checkpoint)
             if load_optimizer:
-                if not exists(f"{uri}/optimizer.pt", storage_options):
+                if not checkpoint.join("optimizer.pt").exists():
                     raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
-                fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
+                fsdp.load_optimizer_state(self.model, self.optimizer, load_object(checkpoint.join("optimizer.pt")))
         if not load_optimizer:
             self.optimizer.state.clear()
-        state = load_object(f"{uri}/trainer.pt", storage_options)
+        state = load_object(checkpoint.join("trainer.pt"))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
-        rank_state = f"{uri}/trainer-rank{self._rank}.pt"  # absent when the checkpoint had fewer ranks
-        restore_rng((load_object(rank_state, storage_options) if self._rank and exists(rank_state, storage_options) else state)["rng"])
+        rank_state = checkpoint.join(f"trainer-rank{self._rank}.pt")  # absent when the checkpoint had fewer ranks
+        restore_rng((load_object(rank_state) if self._rank and rank_state.exists() else state)["rng"])
         self.applied_step = int(state["applied_step"])
         return self.applied_step
 
-    def _load_full_weights(self, uri: str, storage_options: Mapping[str, Any]) -> None:
-        tensors, aliases = read_full_weights(uri, storage_options, device=str(self._device))
+    def _load_full_weights(self, checkpoint: Store) -> None:
+        tensors, aliases = read_full_weights(checkpoint, device=str(self._device))
         missing, unexpected = fsdp.load_model_state(self.model, tensors)
         if not set(missing) <= set(aliases) or unexpected:  # tied names load through the name that owns their data
-            raise CheckpointError(f"{uri} does not match the model: missing {missing}, unexpected {unexpected}.")
+            raise CheckpointError(f"{checkpoint.uri} does not match the model: missing {missing}, unexpected {unexpected}.")
 
-    def export_hf(self, uri: str, storage_options: Mapping[str, Any], tokenizer_source: str) -> None:
+    def export_hf(self, target: Store, tokenizer_source: str) -> None:
         """``save_pretrained`` model and tokenizer: loads with ``AutoModelForCausalLM.from_pretrained``."""
         weights = self.export_weights()  # every rank takes part in gathering the full tensors
         if self._rank != 0:
             return
-        with staging_folder(uri, storage_options) as folder:
+        with staging_folder(target) as folder:
             self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
 

@@ -18,8 +18,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from engine.compat import close_group, nccl_group
-from engine.weights.buckets import Bucket, BucketLayout
+from trellis.engine.compat import close_group, nccl_group
+from trellis.engine.weights.buckets import Bucket, BucketLayout
 
 SENDER, RECEIVER = 0, 1  # receivers are ranks 1 .. size - 1
 

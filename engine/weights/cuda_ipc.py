@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from engine.weights.buckets import Bucket, TensorSpec, flatten
+from trellis.engine.weights.buckets import Bucket, TensorSpec, flatten
 
 _DEVICE_ARG = 6  # position of the CUDA device index among rebuild_cuda_tensor's arguments
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from task import make_example, write_prompts
 
-from engine.tiny.model import build_tiny_checkpoint
+from trellis.engine.tiny.model import build_tiny_checkpoint
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator
 
-from engine.config import AgentConfig
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
-from engine.rollout.agents.base import AgentLoop, append_turn, start_session
-from engine.rollout.agents.gateway_loop import GatewayLoop
-from engine.rollout.agents.generate import budget_of, generate, generate_streaming
-from engine.rollout.agents.tool_calls import ToolCall, parse_tool_calls
-from engine.rollout.agents.tools import ToolResult, ToolRunner
+from trellis.engine.config import AgentConfig
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from trellis.engine.rollout.agents.base import AgentLoop, append_turn, start_session
+from trellis.engine.rollout.agents.gateway_loop import GatewayLoop
+from trellis.engine.rollout.agents.generate import budget_of, generate, generate_streaming
+from trellis.engine.rollout.agents.tool_calls import ToolCall, parse_tool_calls
+from trellis.engine.rollout.agents.tools import ToolResult, ToolRunner
 
 
 class SingleTurnLoop:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.data.samples import RolloutSample
+from trellis.engine.data.samples import RolloutSample
 
 
 def agent_summary(samples: list[RolloutSample]) -> dict[str, float]:

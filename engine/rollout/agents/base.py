@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Iterator, Protocol
 
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.backends.base import RolloutBackend, SamplingParams
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.backends.base import RolloutBackend, SamplingParams
 
 
 class AgentLoop(Protocol):

@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Any, Iterator
 
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.agents.base import append_turn, start_session
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.agents.base import append_turn, start_session
 
 
 class SessionEnded(Exception):

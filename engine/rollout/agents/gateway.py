@@ -28,10 +28,10 @@ from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from engine.rollout.backends.base import RolloutBackend, SamplingParams
-from engine.rollout.agents.chat_session import ChatSession, SessionEnded
-from engine.rollout.agents.generation_batcher import GenerationBatcher
-from engine.rollout.agents.tool_calls import OPEN, parse_tool_calls
+from trellis.engine.rollout.backends.base import RolloutBackend, SamplingParams
+from trellis.engine.rollout.agents.chat_session import ChatSession, SessionEnded
+from trellis.engine.rollout.agents.generation_batcher import GenerationBatcher
+from trellis.engine.rollout.agents.tool_calls import OPEN, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "policy"

@@ -26,13 +26,13 @@ import traceback
 from numbers import Real
 from typing import Any, Iterator
 
-from engine.config import AgentConfig
-from engine.data.samples import RolloutSample
-from engine.rollout.backends.base import RolloutBackend, SamplingParams
-from engine.rollout.agents.chat_session import ChatSession
-from engine.rollout.agents.gateway import Gateway
-from engine.rollout.agents.generate import budget_of
-from engine.user_code import load_function
+from trellis.engine.config import AgentConfig
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rollout.backends.base import RolloutBackend, SamplingParams
+from trellis.engine.rollout.agents.chat_session import ChatSession
+from trellis.engine.rollout.agents.gateway import Gateway
+from trellis.engine.rollout.agents.generate import budget_of
+from trellis.engine.user_code import load_function
 
 AGENT_ERROR_MAX_CHARS = 2000
 

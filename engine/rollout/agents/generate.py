@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator
 
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
 
 
 def generate(

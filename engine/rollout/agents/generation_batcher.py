@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from typing import Iterator
 
-from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
 
 _STOP = object()
 

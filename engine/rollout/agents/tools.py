@@ -19,10 +19,10 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.rollout.bounded_calls import BoundedCalls
-from engine.rollout.agents.tool_calls import ToolCall
-from engine.secrets import redact
-from engine.user_code import UserCodeError, load_attribute
+from trellis.engine.rollout.bounded_calls import BoundedCalls
+from trellis.engine.rollout.agents.tool_calls import ToolCall
+from trellis.engine.secrets import redact
+from trellis.engine.user_code import UserCodeError, load_attribute
 
 _limited = False  # per worker process: its memory limit is set once
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
-from engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
 
 T = TypeVar("T")
 _DONE = object()

@@ -7,14 +7,14 @@ from typing import Callable
 
 import torch
 
-from engine.config import TrellisConfig
-from engine.devices import rollout_device
-from engine.rollout.backends.base import RolloutBackend
-from engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.config import TrellisConfig
+from trellis.engine.devices import rollout_device
+from trellis.engine.rollout.backends.base import RolloutBackend
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 
 
 def _vllm(config: TrellisConfig, tokenizer) -> RolloutBackend:
-    from engine.rollout.backends.vllm_backend import VllmRollout  # vLLM is an optional extra
+    from trellis.engine.rollout.backends.vllm_backend import VllmRollout  # vLLM is an optional extra
 
     rollout = config.rollout
     return VllmRollout(

@@ -14,8 +14,8 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
 
-from engine.data.token_rows import left_pad, unique_rows
-from engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
+from trellis.engine.data.token_rows import left_pad, unique_rows
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.

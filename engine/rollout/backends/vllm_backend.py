@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
 
 # Set before vLLM is imported: one process, so weight hand-over needs no IPC.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -17,25 +17,26 @@ from typing import Any
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from engine.algo.eval_metrics import evaluation_metrics
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import TrellisConfig
-from engine.data.prepare import PreparedBatch, prepare_train_data
-from engine.data.samples import RolloutSample
-from engine.rng import capture_rng, restore_rng
-from engine.rollout.backends.base import RolloutBackend
-from engine.rollout.production.dynamic_sampling import fill_batch
-from engine.rollout.production.produce import (
+from trellis.engine.algo.eval_metrics import evaluation_metrics
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prepare import PreparedBatch, prepare_train_data
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rng import capture_rng, restore_rng
+from trellis.engine.rollout.backends.base import RolloutBackend
+from trellis.engine.rollout.production.dynamic_sampling import fill_batch
+from trellis.engine.rollout.production.produce import (
     ProduceResult,
     rollout_groups,
     sampling_params,
     step_seed,
 )
-from engine.rollout.production.producer import Producer
-from engine.rollout.production.prompt_ledger import PromptLedger
-from engine.rollout.production.task_mix import rollout_inputs
-from engine.storage.checkpoints import load_object, save_object
-from engine.storage.lake import (
+from trellis.engine.rollout.production.producer import Producer
+from trellis.engine.rollout.production.prompt_ledger import PromptLedger
+from trellis.engine.rollout.production.task_mix import rollout_inputs
+from trellis.engine.storage.checkpoints import load_object, save_object
+from trellis.engine.storage.store import Store
+from trellis.engine.storage.lake import (
     SCHEMA,
     RowLineage,
     produced_uri,
@@ -45,8 +46,8 @@ from engine.storage.lake import (
     write_part,
     write_samples,
 )
-from engine.storage.ledger import LedgerEntries
-from engine.storage.lineage import policy_checkpoints, record_step
+from trellis.engine.storage.ledger import LedgerEntries
+from trellis.engine.storage.lineage import policy_checkpoints, record_step
 
 _KEPT_SNAPSHOTS = 4
 _KEPT_BATCHES = 2
@@ -136,7 +137,7 @@ class Controller:
     def load_batch(self, step: int) -> ProduceResult:
         """``debug_train``: the batch a past run produced at ``step``, read back from its Parquet lake."""
         assert self.config.debug_rollout_dir is not None  # the config requires it in debug_train
-        return ProduceResult.of(read_groups(self.config.debug_rollout_dir, "train", step, self.config.storage_options))
+        return ProduceResult.of(read_groups(Store(self.config.debug_rollout_dir, self.config.storage_options), "train", step))
 
     def prepare_data(self, groups: list[list[RolloutSample]], step: int) -> PreparedBatch:
         config = self.config
@@ -169,8 +170,8 @@ class Controller:
         config = self.config
         checkpoints = policy_checkpoints(config, [sample.policy_version for sample in samples])
         uri = write_samples(
-            samples, run_uri=config.trajectory_root(split), run=config.experiment_name, split=split, step=step,
-            storage_options=config.storage_options, lineage=RowLineage(flow_run_id, checkpoints),
+            samples, root=Store(config.trajectory_root(split), config.storage_options), run=config.experiment_name, split=split,
+            step=step, lineage=RowLineage(flow_run_id, checkpoints),
         )
         record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
         if split == "train" and ledger is not None:
@@ -179,7 +180,7 @@ class Controller:
 
     def _record_produced(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
         table = pa.Table.from_pylist([to_row(s, self.config.experiment_name) for group in groups for s in group], schema=SCHEMA)
-        write_part(table, produced_uri(self.config.run_uri, round_index), self.config.storage_options, part=part)
+        write_part(table, Store(produced_uri(self.config.run_uri, round_index), self.config.storage_options), part=part)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -199,12 +200,12 @@ class Controller:
             self.producer.load_state_dict(state["producer"])
 
     def save_checkpoint(self, uri: str) -> None:
-        save_object(self.state_dict(), f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        save_object(self.state_dict(), Store(uri, self.config.storage_options).join("controller.pt"))
 
     def load_checkpoint(self, uri: str, *, load_dataset: bool = True) -> None:
         if self.producer is not None:  # a live controller of a failed attempt may still be producing
             self.producer.pause_produce(self.config.cluster.ray_get_timeout_s)
-        state = load_object(f"{uri.rstrip('/')}/controller.pt", self.config.storage_options)
+        state = load_object(Store(uri, self.config.storage_options).join("controller.pt"))
         self.load_state_dict(state, load_dataset=load_dataset)
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ import math
 import time
 from typing import Callable
 
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.production.produce import ProduceResult
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.production.produce import ProduceResult
 
 logger = logging.getLogger(__name__)
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import RolloutConfig
-from engine.data.prompts import PromptRecord
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.agents.agent_metrics import agent_summary
-from engine.rollout.agents.base import AgentLoop
-from engine.rollout.agents.generate import generate
-from engine.rollout.backends.base import RolloutBackend, SamplingParams
-from engine.rollout.rewards.runner import RewardRunner
-from engine.storage.lake import summary as trajectory_summary
-from engine.storage.ledger import LedgerEntries
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import RolloutConfig
+from trellis.engine.data.prompts import PromptRecord
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.agents.agent_metrics import agent_summary
+from trellis.engine.rollout.agents.base import AgentLoop
+from trellis.engine.rollout.agents.generate import generate
+from trellis.engine.rollout.backends.base import RolloutBackend, SamplingParams
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.lake import summary as trajectory_summary
+from trellis.engine.storage.ledger import LedgerEntries
 
 
 @dataclass

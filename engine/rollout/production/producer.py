@@ -22,25 +22,25 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.rollout.rewards.shaping import OverlongShaping
-from engine.config import TrellisConfig
-from engine.data.prompts import PromptRecord
-from engine.data.sampler import PromptSampler
-from engine.data.samples import RolloutSample, Status
-from engine.rollout.agents.base import AgentLoop
-from engine.rollout.backends.base import RolloutBackend
-from engine.rollout.production.dynamic_sampling import filter_flat_groups
-from engine.rollout.production.prompt_ledger import PromptLedger
-from engine.rollout.production.produce import (
+from trellis.engine.rollout.rewards.shaping import OverlongShaping
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prompts import PromptRecord
+from trellis.engine.data.sampler import PromptSampler
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.rollout.agents.base import AgentLoop
+from trellis.engine.rollout.backends.base import RolloutBackend
+from trellis.engine.rollout.production.dynamic_sampling import filter_flat_groups
+from trellis.engine.rollout.production.prompt_ledger import PromptLedger
+from trellis.engine.rollout.production.produce import (
     ProduceResult,
     new_groups,
     sampling_params,
     score,
     step_seed,
 )
-from engine.rollout.production.replay_buffer import ReplayBuffer, staleness
-from engine.rollout.rewards.runner import RewardRunner
-from engine.storage.ledger import LedgerEntries
+from trellis.engine.rollout.production.replay_buffer import ReplayBuffer, staleness
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.ledger import LedgerEntries
 
 
 class ProducerFailure(RuntimeError):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from engine.config import TrellisConfig
-from engine.data.prepare import group_outcome
-from engine.data.prompts import PromptRecord
-from engine.data.sampler import PromptSampler
-from engine.data.samples import RolloutSample
-from engine.storage.ledger import (
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.prepare import group_outcome
+from trellis.engine.data.prompts import PromptRecord
+from trellis.engine.data.sampler import PromptSampler
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.storage.ledger import (
     SINGLE_TASK,
     Drawn,
     LedgerEntries,
@@ -21,6 +21,7 @@ from engine.storage.ledger import (
     write_universe,
     written_epochs,
 )
+from trellis.engine.storage.store import Store
 
 Group = list[RolloutSample]
 
@@ -50,8 +51,8 @@ class PromptLedger:
         config = self._config
         self._write_universes(entries.drawn)
         write_step(
-            [self.row(group) for group in groups], entries, run_uri=config.run_uri, run=config.experiment_name, step=step,
-            storage_options=config.storage_options,
+            [self.row(group) for group in groups], entries, store=Store(config.run_uri, config.storage_options),
+            run=config.experiment_name, step=step,
         )
 
     def _write_universes(self, drawn: list[Drawn]) -> None:
@@ -65,8 +66,8 @@ class PromptLedger:
                 if epoch not in written:
                     order = self._samplers[frontier.sampler].epoch_order(epoch)
                     write_universe(
-                        [prompt.index for prompt in order], run_uri=config.run_uri, run=config.experiment_name,
-                        sampler=frontier.sampler, epoch=epoch, storage_options=config.storage_options,
+                        [prompt.index for prompt in order], store=Store(config.run_uri, config.storage_options),
+                        run=config.experiment_name, sampler=frontier.sampler, epoch=epoch,
                     )
                     written.add(epoch)
 
@@ -74,8 +75,8 @@ class PromptLedger:
         """The epochs whose stored universe this sampler would write alike (one read: an epoch's order
         follows from the seed and the dataset, so a match at epoch 0 holds for all)."""
         config = self._config
-        stored = written_epochs(config.run_uri, sampler, config.storage_options)
+        stored = written_epochs(Store(config.run_uri, config.storage_options), sampler)
         if 0 not in stored:
             return set()
-        first = read_universe(config.run_uri, sampler, 0, config.storage_options)
+        first = read_universe(Store(config.run_uri, config.storage_options), sampler, 0)
         return stored if first == [prompt.index for prompt in self._samplers[sampler].epoch_order(0)] else set()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from engine.data.samples import RolloutSample, Status
-from engine.storage.lake import from_row, to_row
+from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.storage.lake import from_row, to_row
 
 GroupStatus = Literal["completed", "pending"]  # pending: to be generated on (interrupted, expired or restored)
 

@@ -17,15 +17,15 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.config import TaskConfig, TrellisConfig
-from engine.data.prompts import PromptRecord, SkipReport, load_prompts
-from engine.data.sampler import PromptSampler
-from engine.data.samples import RolloutSample
-from engine.rollout.agents.agent_loops import build_agent_loop
-from engine.rollout.agents.base import AgentLoop
-from engine.rollout.backends.base import RolloutBackend, SamplingParams
-from engine.rollout.rewards.runner import RewardResult, RewardRunner
-from engine.storage.ledger import SINGLE_TASK
+from trellis.engine.config import TaskConfig, TrellisConfig
+from trellis.engine.data.prompts import PromptRecord, SkipReport, load_prompts
+from trellis.engine.data.sampler import PromptSampler
+from trellis.engine.data.samples import RolloutSample
+from trellis.engine.rollout.agents.agent_loops import build_agent_loop
+from trellis.engine.rollout.agents.base import AgentLoop
+from trellis.engine.rollout.backends.base import RolloutBackend, SamplingParams
+from trellis.engine.rollout.rewards.runner import RewardResult, RewardRunner
+from trellis.engine.storage.ledger import SINGLE_TASK
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The built-in reward functions, named in configs as ``engine.rollout.rewards:exact_match`` and
-``engine.rollout.rewards:math_answer``."""
+"""The built-in reward functions, named in configs as ``trellis.engine.rollout.rewards:exact_match`` and
+``trellis.engine.rollout.rewards:math_answer``."""
 
 from __future__ import annotations
 

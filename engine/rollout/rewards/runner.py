@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.config import RewardConfig
-from engine.rollout.bounded_calls import BoundedCalls
-from engine.secrets import redact
-from engine.user_code import check_takes_one_argument, load_function
+from trellis.engine.config import RewardConfig
+from trellis.engine.rollout.bounded_calls import BoundedCalls
+from trellis.engine.secrets import redact
+from trellis.engine.user_code import check_takes_one_argument, load_function
 
 
 @dataclass(frozen=True)

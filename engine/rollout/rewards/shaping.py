@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.algo.reward_shaping import overlong_penalty
-from engine.config import TrellisConfig
-from engine.data.samples import RolloutSample
+from trellis.engine.algo.reward_shaping import overlong_penalty
+from trellis.engine.config import TrellisConfig
+from trellis.engine.data.samples import RolloutSample
 
 
 @dataclass(frozen=True)
