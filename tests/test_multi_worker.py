@@ -72,7 +72,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
         for step in (1, 2):
             if step == 2:  # resume the one-rank worker from the ranks' checkpoint of step 1
                 uri = str(tmp_path / "ckpt")
-                workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri, {}) for rank in ranks])
+                workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), Store(uri)) for rank in ranks])
                 one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
                 assert one_rank.load_checkpoint(Store(uri)) == 1
             sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
