@@ -27,12 +27,13 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _measure
 from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
 
 use_lean_temporary_server()
 
-import psutil  # noqa: E402
 import typer  # noqa: E402
+from _measure import StepClock  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
@@ -62,31 +63,20 @@ def run_flow(steps: int, tasks: int, work_s: float, parameters: dict) -> list[fl
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def cpu_seconds(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def main(steps: int = 30, rounds: int = 2, tasks: str = "0,3,6", work: float = 0.03) -> None:
     counts = [int(n) for n in tasks.split(",")]
     # A config-sized parameter, as rl_step receives the run's config.
     parameters = {f"key_{i}": {"value": i, "name": f"setting {i}"} for i in range(200)}
     run_flow(2, 1, work, parameters)  # starts the temporary server
-    me = psutil.Process()
+    clock = StepClock()  # CPU of this process and its children: the temporary server is one
     overheads: dict[int, list[float]] = {n: [] for n in counts}
     cpus: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(rounds):
         for n in counts:
-            tree = [me, *me.children(recursive=True)]
-            before = cpu_seconds(tree)
+            clock.start()
             intervals = run_flow(steps + WARMUP, n, work, parameters)[WARMUP:]
-            cpus[n].append((cpu_seconds(tree) - before) / (steps + WARMUP))
+            clock.stop()
+            cpus[n].append(clock.cpu[-1] / (steps + WARMUP))
             overheads[n] += [wall - n * work for wall in intervals]
     print(f"{'tasks':>5}  {'overhead s/step: median (min..max, n)':40}  CPU-s/step (this process + server)")
     for n in counts:
