@@ -47,6 +47,10 @@ WORKER_CLASSES = ("TrainerActor", "RolloutActor", "ControllerActor")
 
 
 def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
+    # A loopback head private to the bench. Ray 2.60 turns token auth on for a new head when
+    # ~/.ray/auth_token exists (another program's local ray.init() writes one, e.g. verl's), and this
+    # process and `ray status` would then be refused; say which mode every process here uses.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
