@@ -158,6 +158,11 @@ class TrellisConfig(Frozen):
         return [self.reward, *(task.reward for task in self.tasks if task.reward is not None)]
 
     @property
+    def captures_routing(self) -> bool:
+        """Whether rollouts record the experts of each response token (MoE policies)."""
+        return self.rollout.return_routed_experts or self.train_worker.routing_replay == "r3"
+
+    @property
     def disaggregated(self) -> bool:
         return self.trainer == "disaggregated"
 

@@ -10,6 +10,8 @@ import fsspec
 
 from engine.config import DatasetConfig, TrellisConfig
 from engine.errors import SettingError
+from engine.moe.checks import moe_setting_problems
+from engine.moe.routers import config_moe_shape, read_config
 from engine.rollout.rewards.runner import resolve_function
 from engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from engine.user_code import UserCodeError, load_attribute, load_function
@@ -32,6 +34,8 @@ def check_inputs(config: TrellisConfig) -> None:
         problem = _missing(dataset.path, None, dataset.storage_options)
         if problem:
             problems.append(f"{name}.path: {problem}")
+    if not problems:
+        problems += _policy_problems(config)
     problems += user_code_problems(user_code_checks(config), launch_directory(config))
     try:
         shipped_code(config)
@@ -70,6 +74,16 @@ def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path |
         except UserCodeError as error:
             problems.append(f"{name}: {error}")
     return problems
+
+
+def _policy_problems(config: TrellisConfig) -> list[str]:
+    """Settings the policy's architecture must allow (routing replay needs an MoE)."""
+    try:
+        model = read_config(config.load_from, config.storage_options)
+    except (OSError, ValueError) as error:
+        return [f"load_from: cannot read its config.json: {error}"]
+    name = ", ".join(model.get("architectures") or []) or str(model.get("model_type"))
+    return moe_setting_problems(config, config_moe_shape(model) is not None, name)
 
 
 def _missing(uri: str, marker: str | None, storage_options: dict[str, str]) -> str | None:

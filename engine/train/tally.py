@@ -103,6 +103,8 @@ def mini_batch_metrics(sums, maxima, minima, tokens: float, grad_norm: float, lr
     metrics["mismatch/train_ppl"] = math.exp(sums["mismatch/train_nll"] / tokens)
     metrics["mismatch/rollout_ppl"] = math.exp(sums["mismatch/rollout_nll"] / tokens)
     metrics["entropy/rollout"] = sums["mismatch/rollout_nll"] / tokens  # sampled-token NLL estimates entropy
+    if "router/aux_loss" in sums:
+        metrics["router/aux_loss"] = sums["router/aux_loss"]
     if "rollout_is/weight_sum" in sums:
         metrics["rollout_is/mean"] = sums["rollout_is/weight_sum"] / tokens
         metrics["rollout_is/max"] = maxima["rollout_is/max"]

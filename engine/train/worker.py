@@ -5,7 +5,9 @@ It is used in-process by ``engine.run.local`` and wrapped as a Ray actor by the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -27,6 +29,11 @@ from engine.config import TrainWorkerConfig, TrellisConfig
 from engine.data.prepare import PreparedBatch, TrainSequence
 from engine.devices import resolve_device
 from engine.errors import SettingError
+from engine.moe.routers import moe_shape
+from engine.moe.routing import Replay, RouterHooks, RoutingSession
+from engine.moe.stats import load_balancing_loss
+from engine.moe.tally import RoutingTally
+from engine.moe.checks import check_routing_settings, moe_mismatch, recorded_routing
 from engine.rng import capture_rng, restore_rng
 from engine.storage.checkpoints import (
     CheckpointError,
@@ -106,6 +113,10 @@ class TrainingWorker:
             compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs)
         self.model.config.use_cache = False
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
+        # After the reference copy, which routes on its own.
+        self._moe = moe_shape(self.model)
+        check_routing_settings(config, self._moe, type(self.model).__name__)
+        self._routing = RouterHooks(self.model) if self._moe is not None else None
         self.policy = self._policy(self.model)
         if self._fsdp:
             fsdp.shard(
@@ -155,15 +166,28 @@ class TrainingWorker:
         for seqs, micro, count in zip(mini_batches, micro_per_mini, fsdp.max_over_ranks(real_counts)):
             filler = micro[0] if micro else self._micro_batches(seqs[:1])[0]
             micro.extend([filler] * (int(count) - len(micro)))
-        # Old and reference logprobs are taken for the whole batch before the first update.
-        old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
+        # Old and reference logprobs are taken for the whole batch before the first update; with r2
+        # the old pass's routing is kept for the update.
+        old, routes = None, None
+        if needs_old:
+            passes = [[self._old_pass(m) for m in micro] for micro in micro_per_mini]
+            old = [[logprobs for logprobs, _ in micro] for micro in passes]
+            routes = [[route for _, route in micro] for micro in passes]
         ref = None
         if self._reference is not None:
             ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
+        tally = RoutingTally(self._moe, self._device) if self._moe is not None else None
         for index, micro in enumerate(micro_per_mini):
-            metrics = self._update(micro, real_counts[index], old[index] if old else None, ref[index] if ref else None)
+            metrics = self._update(
+                micro, real_counts[index], old[index] if old else None, ref[index] if ref else None,
+                routes[index] if routes else None, tally,
+            )
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
+        if tally is not None:
+            mine = self._my_share(batch.sequences)
+            tally.count_sequences(len(mine), sum(seq.routed_experts is None for seq in mine))
+            result.metrics.update(tally.metrics(reduce_over_ranks=self._world > 1))
         if self._device.type == "cuda":  # the rank that needed most; it sets how large a model fits
             peak = torch.cuda.max_memory_allocated(self._device) / 2**30
             result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
@@ -179,7 +203,8 @@ class TrainingWorker:
 
     def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
         layout = self._layout
-        if layout == "shared_prefix" and not can_share(sequences):
+        # The routers of an MoE policy must see each token once per forward, in one row order.
+        if layout == "shared_prefix" and (not can_share(sequences) or self._moe is not None):
             layout = "padded"
         budget = self._config.train_worker.pack_max_length
         lay_out = LAYOUTS[layout]
@@ -203,7 +228,8 @@ class TrainingWorker:
             return policy(batch)
 
     def _update(
-        self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+        self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
+        routes: list[torch.Tensor | None] | None = None, routing_tally: RoutingTally | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``micro``, of which the first ``real`` are this rank's share (the rest
         only keep the ranks in step). The loss is normalised by the tokens (or sequences) of every
@@ -219,38 +245,18 @@ class TrainingWorker:
             for param in self.model.parameters():
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
+        reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
         for index, batch in enumerate(micro):
             record = tally if index < real else Tally()  # a filler's metrics are not this rank's
-            mask = batch.loss_mask_NL
-            logprobs, entropy = self._token_logprobs(self.policy, batch)
-            old_logprobs = old[index] if old is not None else logprobs.detach()
-            is_weights = None
-            if loss_config.rollout_is.level != "none":
-                is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
-                record.add("rollout_is/weight_sum", is_stats["weight_sum"])
-                record.add("rollout_is/rejected", is_stats["rejected"])
-                record.max("rollout_is/max", is_stats["weight_max"])
-                record.min("rollout_is/min", is_stats["weight_min"])
-            pg_loss, kl, counts = policy_objective(
-                logprobs,
-                old_logprobs,
-                batch.advantages_NL,
-                mask,
-                loss_config,
-                is_weights_NL=is_weights,
-                ref_logprobs_NL=ref[index] if ref is not None else None,
-            )
-            reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
-            loss = aggregate(pg_loss, mask, **reduce)
-            record.add("pg_loss", loss)
-            if kl is not None:
-                kl_loss = aggregate(kl, mask, **reduce)
-                loss = loss + loss_config.kl_coef * kl_loss
-                record.add("kl", kl_loss)
-            # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
-            # so the world size turns that average back into their sum.
-            (loss * (self._world if index < real else 0.0)).backward()
-            _record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
+            replay = self._replay(batch, routes[index] if routes else None)
+            with self._routed(batch, replay) as session:
+                loss = self._micro_loss(batch, old[index] if old is not None else None, ref[index] if ref is not None else None,
+                                        record, reduce, session)
+                # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
+                # so the world size turns that average back into their sum.
+                (loss * (self._world if index < real else 0.0)).backward()
+            if session is not None and routing_tally is not None and index < real:
+                routing_tally.record(session, batch.tokens_T, recorded_routing(batch), replay)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -260,6 +266,73 @@ class TrainingWorker:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mini_batch_metrics(*tally.values(reduce_over_ranks=self._world > 1), total_tokens, float(grad_norm), lr)
+
+    def _micro_loss(
+        self, batch: Layout, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, record: Tally,
+        reduce: dict[str, Any], session: RoutingSession | None,
+    ) -> torch.Tensor:
+        """One micro-batch's share of the mini-batch loss (its forward pass included)."""
+        loss_config = self._config.loss
+        mask = batch.loss_mask_NL
+        logprobs, entropy = self._token_logprobs(self.policy, batch)
+        old_logprobs = old_logprobs if old_logprobs is not None else logprobs.detach()
+        is_weights = None
+        if loss_config.rollout_is.level != "none":
+            is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
+            record.add("rollout_is/weight_sum", is_stats["weight_sum"])
+            record.add("rollout_is/rejected", is_stats["rejected"])
+            record.max("rollout_is/max", is_stats["weight_max"])
+            record.min("rollout_is/min", is_stats["weight_min"])
+        pg_loss, kl, counts = policy_objective(
+            logprobs,
+            old_logprobs,
+            batch.advantages_NL,
+            mask,
+            loss_config,
+            is_weights_NL=is_weights,
+            ref_logprobs_NL=ref_logprobs,
+        )
+        loss = aggregate(pg_loss, mask, **reduce)
+        record.add("pg_loss", loss)
+        if kl is not None:
+            kl_loss = aggregate(kl, mask, **reduce)
+            loss = loss + loss_config.kl_coef * kl_loss
+            record.add("kl", kl_loss)
+        if session is not None and loss_config.router_aux_coef > 0:
+            # Weighted by this micro-batch's share of the trained tokens, as token-mean weighs its loss.
+            share = mask.sum() / max(reduce["total_tokens"], 1.0)
+            aux = load_balancing_loss(session.logits_list(), session.applied_TLK(), batch.tokens_T) * share
+            loss = loss + loss_config.router_aux_coef * aux
+            record.add("router/aux_loss", aux)
+        _record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
+        return loss
+
+    # -- routing (MoE policies) ---------------------------------------------------------------------
+
+    def _routed(self, batch: Layout, replay: Replay | None):
+        """The routing session of one forward (and its backward); nothing for a dense model."""
+        if self._routing is None:
+            return contextlib.nullcontext()
+        return self._routing.session(replay, keep_logits=self._config.loss.router_aux_coef > 0)
+
+    def _replay(self, batch: Layout, own_route: torch.Tensor | None) -> Replay | None:
+        """What the trainer's forward routes by: r3 the rollout engine's experts, r2 its own from the
+        old-policy pass (``own_route``), otherwise what its router computes."""
+        mode = self._config.train_worker.routing_replay
+        if mode == "r3":
+            return recorded_routing(batch)
+        if mode == "r2" and own_route is not None:
+            return Replay(own_route, torch.ones(own_route.size(0), dtype=torch.bool, device=own_route.device))
+        return None
+
+    @torch.no_grad()
+    def _old_pass(self, batch: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old-policy logprobs; with r2 also the experts the trainer routed each token to."""
+        replay = self._replay(batch, None)
+        with self._routed(batch, replay) as session:
+            logprobs = self._token_logprobs(self.policy, batch)[0]
+        keep = session is not None and self._config.train_worker.routing_replay == "r2"
+        return logprobs, session.computed_TLK() if keep else None
 
     @torch.no_grad()
     def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
@@ -286,7 +359,8 @@ class TrainingWorker:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states.
         Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
         size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
-        state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+        state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng(),
+                 "moe": None if self._moe is None else dataclasses.asdict(self._moe)}
         if self._world > 1:
             save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
@@ -302,6 +376,10 @@ class TrainingWorker:
     def load_checkpoint(self, uri: str, storage_options: Mapping[str, Any], *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
         uri = uri.rstrip("/")
+        state = load_object(f"{uri}/trainer.pt", storage_options)
+        # Checkpoints written before MoE support carry no "moe" entry: they are dense.
+        if (mismatch := moe_mismatch(uri, state.get("moe"), self._moe)) is not None:
+            raise CheckpointError(mismatch)
         if is_sharded(uri, storage_options):
             if load_optimizer and not exists(f"{uri}/optim", storage_options):
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
@@ -314,7 +392,6 @@ class TrainingWorker:
                 fsdp.load_optimizer_state(self.model, self.optimizer, load_object(f"{uri}/optimizer.pt", storage_options))
         if not load_optimizer:
             self.optimizer.state.clear()
-        state = load_object(f"{uri}/trainer.pt", storage_options)
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr

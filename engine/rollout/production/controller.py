@@ -171,6 +171,7 @@ class Controller:
         uri = write_samples(
             samples, run_uri=config.trajectory_root(split), run=config.experiment_name, split=split, step=step,
             storage_options=config.storage_options, lineage=RowLineage(flow_run_id, checkpoints),
+            routing=config.rollout.store_routed_experts,
         )
         record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
         if split == "train" and ledger is not None:
