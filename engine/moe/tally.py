@@ -20,17 +20,22 @@ class RoutingTally:
         # compared tokens, replayed tokens, fallback sequences, sequences
         self._totals = torch.zeros(4, device=device)
 
-    def record(self, session: RoutingSession, tokens_T: torch.Tensor, recorded: Replay | None, replay: Replay | None) -> None:
-        """One micro-batch's forward: the experts it used, and how the router's own top-k compares with
-        the rollout engine's where it recorded one."""
+    def record_update(self, session: RoutingSession, tokens_T: torch.Tensor, replay: Replay | None) -> None:
+        """One micro-batch's update forward: the experts it used, and the tokens it replayed."""
         self._counts_LE += expert_counts_LE(session.applied_TLK(), tokens_T, self._shape.experts)
-        if recorded is not None:
-            compared_T = recorded.mask_T & tokens_T
-            same_TL = same_topk_TL(session.computed_TLK(), recorded.experts_TLK)
-            self._agree_L += same_TL[compared_T].float().sum(dim=0)
-            self._totals[0] += compared_T.sum()
         if replay is not None:
             self._totals[1] += (replay.mask_T & tokens_T).sum()
+
+    def record_agreement(self, session: RoutingSession, tokens_T: torch.Tensor, recorded: Replay | None) -> None:
+        """How the router's own top-k compares with the rollout engine's, where it recorded one. Taken on
+        the step's first forward of each token (the weights the rollout ran with): under r3 the layers
+        after the first see hidden states of replayed routing, as the update does."""
+        if recorded is None:
+            return
+        compared_T = recorded.mask_T & tokens_T
+        same_TL = same_topk_TL(session.computed_TLK(), recorded.experts_TLK)
+        self._agree_L += same_TL[compared_T].float().sum(dim=0)
+        self._totals[0] += compared_T.sum()
 
     def count_sequences(self, total: int, fallback: int) -> None:
         self._totals[2] += fallback

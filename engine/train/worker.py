@@ -169,18 +169,19 @@ class TrainingWorker:
         # Old and reference logprobs are taken for the whole batch before the first update; with r2
         # the old pass's routing is kept for the update.
         old, routes = None, None
+        tally = RoutingTally(self._moe, self._device) if self._moe is not None else None
         if needs_old:
-            passes = [[self._old_pass(m) for m in micro] for micro in micro_per_mini]
+            passes = [[self._old_pass(m, tally if i < real else None) for i, m in enumerate(micro)]
+                      for micro, real in zip(micro_per_mini, real_counts)]
             old = [[logprobs for logprobs, _ in micro] for micro in passes]
             routes = [[route for _, route in micro] for micro in passes]
         ref = None
         if self._reference is not None:
             ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
-        tally = RoutingTally(self._moe, self._device) if self._moe is not None else None
         for index, micro in enumerate(micro_per_mini):
             metrics = self._update(
                 micro, real_counts[index], old[index] if old else None, ref[index] if ref else None,
-                routes[index] if routes else None, tally,
+                routes[index] if routes else None, tally, first_pass=not needs_old,
             )
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
@@ -229,7 +230,7 @@ class TrainingWorker:
 
     def _update(
         self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
-        routes: list[torch.Tensor | None] | None = None, routing_tally: RoutingTally | None = None,
+        routes: list[torch.Tensor | None] | None = None, routing_tally: RoutingTally | None = None, first_pass: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over ``micro``, of which the first ``real`` are this rank's share (the rest
         only keep the ranks in step). The loss is normalised by the tokens (or sequences) of every
@@ -256,7 +257,9 @@ class TrainingWorker:
                 # so the world size turns that average back into their sum.
                 (loss * (self._world if index < real else 0.0)).backward()
             if session is not None and routing_tally is not None and index < real:
-                routing_tally.record(session, batch.tokens_T, recorded_routing(batch), replay)
+                routing_tally.record_update(session, batch.tokens_T, replay)
+                if first_pass:
+                    routing_tally.record_agreement(session, batch.tokens_T, recorded_routing(batch))
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -326,11 +329,13 @@ class TrainingWorker:
         return None
 
     @torch.no_grad()
-    def _old_pass(self, batch: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _old_pass(self, batch: Layout, tally: RoutingTally | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old-policy logprobs; with r2 also the experts the trainer routed each token to."""
         replay = self._replay(batch, None)
         with self._routed(batch, replay) as session:
             logprobs = self._token_logprobs(self.policy, batch)[0]
+        if session is not None and tally is not None:
+            tally.record_agreement(session, batch.tokens_T, recorded_routing(batch))
         keep = session is not None and self._config.train_worker.routing_replay == "r2"
         return logprobs, session.computed_TLK() if keep else None
 
