@@ -133,7 +133,8 @@ def test_a_checkpoint_of_another_expert_count_is_refused_and_the_hf_export_loads
 
 def test_two_gloo_ranks_make_the_update_of_one_on_an_moe_batch(moe_model, reverse_data, moe_groups, tmp_path, ray_cluster):
     """As the dense parity test: two mini-batches with r3 replay, experts sharded by FSDP2 like every
-    other parameter; loss, grad norm, router metrics and weights of 2 ranks equal one rank's."""
+    other parameter; loss, grad norm and router metrics of 2 ranks equal one rank's to 1e-5, weights to
+    5e-5; their sharded checkpoint resumes in one plain worker."""
     import ray
 
     from engine.cluster.workers import RunWorkers
@@ -152,8 +153,10 @@ def test_two_gloo_ranks_make_the_update_of_one_on_an_moe_batch(moe_model, revers
         for name in COMPARED:
             assert sharded[0].metrics[name] == pytest.approx(single.metrics[name], rel=1e-5, abs=1e-5), name
         weights = workers.wait([rank.export_weights.remote() for rank in ranks])[0]
+        # AdamW's first steps move a weight by about lr x sign(grad) = 3e-4 each, so a gradient element
+        # near 0 that rounds differently on 2 ranks moves by a share of that: 1.4e-5 at most, measured.
         for name, tensor in one_rank.export_weights().items():
-            assert torch.allclose(weights[name], tensor, atol=1e-5), name
+            assert torch.allclose(weights[name], tensor, atol=5e-5), name
         uri = str(tmp_path / "sharded")
         workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri, {}) for rank in ranks])
         assert TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id).load_checkpoint(uri, {}) == 1
