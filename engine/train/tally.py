@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from engine.algo.losses import mismatch_sums
 from engine.data.prepare import TrainSequence
 
 
@@ -116,3 +117,16 @@ def mini_batch_metrics(sums, maxima, minima, tokens: float, grad_norm: float, lr
 def average(mini_batches: list[dict[str, float]]) -> dict[str, float]:
     keys = mini_batches[0].keys() if mini_batches else []
     return {key: sum(m[key] for m in mini_batches) / len(mini_batches) for key in keys}
+
+
+def record_token_stats(record: Tally, counts: dict[str, torch.Tensor], entropy: torch.Tensor, old_logprobs: torch.Tensor,
+                       rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """A micro-batch's clip counts, entropy and train/rollout mismatch sums."""
+    for name, value in counts.items():
+        record.add(name, value)
+    record.add("entropy_sum", entropy.sum())
+    for name, value in mismatch_sums(old_logprobs, rollout_logprobs, mask).items():
+        if name.endswith("_max"):
+            record.max(f"mismatch/{name}", value)
+        else:
+            record.add(f"mismatch/{name}", value)

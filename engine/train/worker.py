@@ -5,9 +5,7 @@ It is used in-process by ``engine.run.local`` and wrapped as a Ray actor by the 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import functools
 import json
 import logging
@@ -20,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.algo.losses import (
     aggregate,
-    mismatch_sums,
     policy_objective,
     rollout_is_weights,
 )
@@ -29,11 +26,6 @@ from engine.config import TrainWorkerConfig, TrellisConfig
 from engine.data.prepare import PreparedBatch, TrainSequence
 from engine.devices import resolve_device
 from engine.errors import SettingError
-from engine.moe.routers import moe_shape
-from engine.moe.routing import Replay, RouterHooks, RoutingSession
-from engine.moe.stats import load_balancing_loss
-from engine.moe.tally import RoutingTally
-from engine.moe.checks import check_routing_settings, moe_mismatch, recorded_routing
 from engine.rng import capture_rng, restore_rng
 from engine.storage.checkpoints import (
     CheckpointError,
@@ -47,6 +39,7 @@ from engine.storage.checkpoints import (
 from engine.train import fsdp
 from engine.train.compile import compile_decoder
 from engine.train.logprob_head import Policy, output_head
+from engine.train.moe_routing import TrainerRouting
 from engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
 from engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
@@ -55,6 +48,7 @@ from engine.train.tally import (
     average,
     lr_factor,
     mini_batch_metrics,
+    record_token_stats,
     split_evenly,
 )
 from engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
@@ -113,10 +107,7 @@ class TrainingWorker:
             compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs)
         self.model.config.use_cache = False
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
-        # After the reference copy, which routes on its own.
-        self._moe = moe_shape(self.model)
-        check_routing_settings(config, self._moe, type(self.model).__name__)
-        self._routing = RouterHooks(self.model) if self._moe is not None else None
+        self._routing = TrainerRouting(self.model, config, self._device)  # after the reference copy, which routes itself
         self.policy = self._policy(self.model)
         if self._fsdp:
             fsdp.shard(
@@ -169,10 +160,9 @@ class TrainingWorker:
         # Old and reference logprobs are taken for the whole batch before the first update; with r2
         # the old pass's routing is kept for the update.
         old, routes = None, None
-        tally = RoutingTally(self._moe, self._device) if self._moe is not None else None
+        self._routing.start_fit()
         if needs_old:
-            passes = [[self._old_pass(m, tally if i < real else None) for i, m in enumerate(micro)]
-                      for micro, real in zip(micro_per_mini, real_counts)]
+            passes = [[self._old_pass(m, i < real) for i, m in enumerate(micro)] for micro, real in zip(micro_per_mini, real_counts)]
             old = [[logprobs for logprobs, _ in micro] for micro in passes]
             routes = [[route for _, route in micro] for micro in passes]
         ref = None
@@ -181,14 +171,11 @@ class TrainingWorker:
         for index, micro in enumerate(micro_per_mini):
             metrics = self._update(
                 micro, real_counts[index], old[index] if old else None, ref[index] if ref else None,
-                routes[index] if routes else None, tally, first_pass=not needs_old,
+                routes[index] if routes else None, first_pass=not needs_old,
             )
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
-        if tally is not None:
-            mine = self._my_share(batch.sequences)
-            tally.count_sequences(len(mine), sum(seq.routed_experts is None for seq in mine))
-            result.metrics.update(tally.metrics(reduce_over_ranks=self._world > 1))
+        result.metrics.update(self._routing.finish_fit(self._my_share(batch.sequences), reduce_over_ranks=self._world > 1))
         if self._device.type == "cuda":  # the rank that needed most; it sets how large a model fits
             peak = torch.cuda.max_memory_allocated(self._device) / 2**30
             result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
@@ -205,7 +192,7 @@ class TrainingWorker:
     def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
         layout = self._layout
         # The routers of an MoE policy must see each token once per forward, in one row order.
-        if layout == "shared_prefix" and (not can_share(sequences) or self._moe is not None):
+        if layout == "shared_prefix" and (not can_share(sequences) or self._routing.is_moe):
             layout = "padded"
         budget = self._config.train_worker.pack_max_length
         lay_out = LAYOUTS[layout]
@@ -230,7 +217,7 @@ class TrainingWorker:
 
     def _update(
         self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
-        routes: list[torch.Tensor | None] | None = None, routing_tally: RoutingTally | None = None, first_pass: bool = False,
+        routes: list[torch.Tensor | None] | None = None, first_pass: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over ``micro``, of which the first ``real`` are this rank's share (the rest
         only keep the ranks in step). The loss is normalised by the tokens (or sequences) of every
@@ -249,17 +236,13 @@ class TrainingWorker:
         reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
         for index, batch in enumerate(micro):
             record = tally if index < real else Tally()  # a filler's metrics are not this rank's
-            replay = self._replay(batch, routes[index] if routes else None)
-            with self._routed(batch, replay) as session:
+            with self._routing.session(batch, routes[index] if routes else None) as session:
                 loss = self._micro_loss(batch, old[index] if old is not None else None, ref[index] if ref is not None else None,
                                         record, reduce, session)
                 # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
                 # so the world size turns that average back into their sum.
                 (loss * (self._world if index < real else 0.0)).backward()
-            if session is not None and routing_tally is not None and index < real:
-                routing_tally.record_update(session, batch.tokens_T, replay)
-                if first_pass:
-                    routing_tally.record_agreement(session, batch.tokens_T, recorded_routing(batch))
+            self._routing.observe(session, batch, agreement=first_pass and index < real, update=index < real)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -272,7 +255,7 @@ class TrainingWorker:
 
     def _micro_loss(
         self, batch: Layout, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, record: Tally,
-        reduce: dict[str, Any], session: RoutingSession | None,
+        reduce: dict[str, Any], session,
     ) -> torch.Tensor:
         """One micro-batch's share of the mini-batch loss (its forward pass included)."""
         loss_config = self._config.loss
@@ -287,13 +270,7 @@ class TrainingWorker:
             record.max("rollout_is/max", is_stats["weight_max"])
             record.min("rollout_is/min", is_stats["weight_min"])
         pg_loss, kl, counts = policy_objective(
-            logprobs,
-            old_logprobs,
-            batch.advantages_NL,
-            mask,
-            loss_config,
-            is_weights_NL=is_weights,
-            ref_logprobs_NL=ref_logprobs,
+            logprobs, old_logprobs, batch.advantages_NL, mask, loss_config, is_weights_NL=is_weights, ref_logprobs_NL=ref_logprobs
         )
         loss = aggregate(pg_loss, mask, **reduce)
         record.add("pg_loss", loss)
@@ -301,43 +278,19 @@ class TrainingWorker:
             kl_loss = aggregate(kl, mask, **reduce)
             loss = loss + loss_config.kl_coef * kl_loss
             record.add("kl", kl_loss)
-        if session is not None and loss_config.router_aux_coef > 0:
-            # Weighted by this micro-batch's share of the trained tokens, as token-mean weighs its loss.
-            share = mask.sum() / max(reduce["total_tokens"], 1.0)
-            aux = load_balancing_loss(session.logits_list(), session.applied_TLK(), batch.tokens_T) * share
-            loss = loss + loss_config.router_aux_coef * aux
+        if (aux := self._routing.aux_loss(session, batch, reduce["total_tokens"])) is not None:
+            loss = loss + aux
             record.add("router/aux_loss", aux)
-        _record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
+        record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
         return loss
 
-    # -- routing (MoE policies) ---------------------------------------------------------------------
-
-    def _routed(self, batch: Layout, replay: Replay | None):
-        """The routing session of one forward (and its backward); nothing for a dense model."""
-        if self._routing is None:
-            return contextlib.nullcontext()
-        return self._routing.session(replay, keep_logits=self._config.loss.router_aux_coef > 0)
-
-    def _replay(self, batch: Layout, own_route: torch.Tensor | None) -> Replay | None:
-        """What the trainer's forward routes by: r3 the rollout engine's experts, r2 its own from the
-        old-policy pass (``own_route``), otherwise what its router computes."""
-        mode = self._config.train_worker.routing_replay
-        if mode == "r3":
-            return recorded_routing(batch)
-        if mode == "r2" and own_route is not None:
-            return Replay(own_route, torch.ones(own_route.size(0), dtype=torch.bool, device=own_route.device))
-        return None
-
     @torch.no_grad()
-    def _old_pass(self, batch: Layout, tally: RoutingTally | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _old_pass(self, batch: Layout, mine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old-policy logprobs; with r2 also the experts the trainer routed each token to."""
-        replay = self._replay(batch, None)
-        with self._routed(batch, replay) as session:
+        with self._routing.session(batch) as session:
             logprobs = self._token_logprobs(self.policy, batch)[0]
-        if session is not None and tally is not None:
-            tally.record_agreement(session, batch.tokens_T, recorded_routing(batch))
-        keep = session is not None and self._config.train_worker.routing_replay == "r2"
-        return logprobs, session.computed_TLK() if keep else None
+        self._routing.observe(session, batch, agreement=mine, update=False)
+        return logprobs, self._routing.own_route(session)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
@@ -365,7 +318,7 @@ class TrainingWorker:
         Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
         size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
         state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng(),
-                 "moe": None if self._moe is None else dataclasses.asdict(self._moe)}
+                 "moe": self._routing.checkpoint_entry()}
         if self._world > 1:
             save_sharded(uri, storage_options, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
@@ -382,9 +335,8 @@ class TrainingWorker:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
         uri = uri.rstrip("/")
         state = load_object(f"{uri}/trainer.pt", storage_options)
-        # Checkpoints written before MoE support carry no "moe" entry: they are dense.
-        if (mismatch := moe_mismatch(uri, state.get("moe"), self._moe)) is not None:
-            raise CheckpointError(mismatch)
+        if (problem := self._routing.load_problem(uri, state)) is not None:
+            raise CheckpointError(problem)
         if is_sharded(uri, storage_options):
             if load_optimizer and not exists(f"{uri}/optim", storage_options):
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
@@ -436,19 +388,6 @@ class TrainingWorker:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
-
-
-def _record_token_stats(record: Tally, counts: dict[str, torch.Tensor], entropy: torch.Tensor, old_logprobs: torch.Tensor,
-                        rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """A micro-batch's clip counts, entropy and train/rollout mismatch sums."""
-    for name, value in counts.items():
-        record.add(name, value)
-    record.add("entropy_sum", entropy.sum())
-    for name, value in mismatch_sums(old_logprobs, rollout_logprobs, mask).items():
-        if name.endswith("_max"):
-            record.max(f"mismatch/{name}", value)
-        else:
-            record.add(f"mismatch/{name}", value)
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:
