@@ -173,3 +173,40 @@ def test_r3_needs_a_backend_that_returns_routing(tmp_path, monkeypatch):
         load_config("configs/tiny_reverse.yaml", load_from=str(tmp_path), rollout={"backend": "vllm"},
                     train_worker={"routing_replay": "r3"}, work_dir=str(tmp_path))
     assert "routing_replay: r3" in str(error.value) and "rollout.backend=vllm" in str(error.value)
+
+
+def test_a_continued_response_keeps_each_tokens_routing_from_the_engine_that_made_it(tmp_path):
+    """Partial rollout in the disaggregated producer: a pause interrupts the responses after 2 of their 4
+    tokens; after the sync the new version finishes them. Each token's routing is the one its engine
+    version handed back (here: experts (v, v + 1) for version v), and the replay buffer's checkpoint
+    keeps it."""
+    from test_producer import WAIT_S, ScriptedRollout, make_producer, wait_until
+
+    class RoutedRollout(ScriptedRollout):
+        def stream(self, prompts, params, limits=None):
+            version = self.policy_version
+            for index, generation in super().stream(prompts, params, limits):
+                count = len(generation.response_ids)
+                generation.routed_experts = torch.tensor([version, version + 1], dtype=torch.uint8).repeat(count, 1, 1)
+                yield index, generation
+
+    producer, rewards, _ = make_producer(tmp_path, max_staleness=1, enable_partial_rollout=True)
+    backend = RoutedRollout(length=4, hold_at=2)
+    try:
+        producer.continue_produce(0, backend)
+        wait_until(backend.held.is_set)
+        producer.pause_produce(timeout_s=WAIT_S)
+        restored, restored_rewards, _ = make_producer(tmp_path, max_staleness=1, enable_partial_rollout=True)
+        restored.load_state_dict(producer.state_dict())
+        kept = [s.routed_experts for group in restored.buffer.groups for s in group.samples]
+        assert all(torch.equal(routing, torch.tensor([[[0, 1]]] * 2, dtype=torch.uint8)) for routing in kept)
+        restored_rewards.close()
+        backend.policy_version, backend.hold_at = 1, None
+        producer.continue_produce(1, backend)
+        batch = producer.get_batch(1, timeout_s=WAIT_S)
+        for sample in (s for group in batch.groups for s in group):
+            assert sample.response_versions == [0, 0, 1, 1]
+            assert sample.routed_experts[:, 0].tolist() == [[0, 1], [0, 1], [1, 2], [1, 2]]
+    finally:
+        producer.shutdown()
+        rewards.close()
