@@ -32,15 +32,21 @@ def tiny_model(
     data: Annotated[Optional[Path], typer.Option(help="Also write train/eval Parquet prompts of the task here.")] = None,
     warmup: Annotated[bool, typer.Option(help="Warm the model up on the task (reverse ~10 s, lookup ~30 s).")] = True,
     task: Annotated[str, typer.Option(help="reverse (one turn) or lookup (a tool call, then the answer).")] = "reverse",
+    moe: Annotated[bool, typer.Option(help="A mixture-of-experts policy (Qwen3-MoE, 8 experts, top-2); reverse task only.")] = False,
 ) -> None:
-    """Build the bundled tiny Qwen2 model and tokenizer offline."""
+    """Build the bundled tiny Qwen2 model (or Qwen3-MoE with --moe) and tokenizer offline."""
     from trellis.engine.tiny import lookup_task, reverse_task
 
     tasks = {"reverse": reverse_task, "lookup": lookup_task}
     if task not in tasks:
         raise typer.BadParameter(f"unknown task {task!r}: one of {sorted(tasks)}", param_hint="--task")
     module = tasks[task]
-    module.build_checkpoint(out, warmup=warmup)
+    if moe and task != "reverse":
+        raise typer.BadParameter("--moe builds the reverse task's model only", param_hint="--moe")
+    if moe:
+        reverse_task.build_checkpoint(out, warmup=warmup, moe=True)
+    else:
+        module.build_checkpoint(out, warmup=warmup)
     typer.echo(f"model and tokenizer: {out}")
     if data is not None:
         module.write_dataset(data / "train.parquet", 4096, seed=0)

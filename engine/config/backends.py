@@ -20,11 +20,14 @@ class RolloutBackendTraits:
     # Hands back the weights it generates with, by their trainer names (tests compare them with the
     # trainer's); vLLM keeps its own fused layout.
     exports_served_weights: bool
+    # Hands back, per response token, the experts an MoE policy routed it through (routing replay r3).
+    returns_routed_experts: bool
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendTraits] = {
-    "transformers": RolloutBackendTraits(needs_gpu=False, supports_abort=True, exports_served_weights=True),
-    "vllm": RolloutBackendTraits(needs_gpu=True, supports_abort=True, exports_served_weights=False),
+    "transformers": RolloutBackendTraits(needs_gpu=False, supports_abort=True, exports_served_weights=True, returns_routed_experts=True),
+    "vllm": RolloutBackendTraits(needs_gpu=True, supports_abort=True, exports_served_weights=False,
+                                 returns_routed_experts=True),  # vLLM >= 0.26: enable_return_routed_experts
 }
 
 

@@ -178,6 +178,19 @@ def trainer_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
+def routing_problems(config: TrellisConfig) -> list[str]:
+    """Routing capture and replay need a backend that hands back routed experts; whether the policy is
+    an MoE at all is checked against its checkpoint (engine.run.preflight, and the trainer)."""
+    backend = config.rollout.backend
+    if config.captures_routing and not backend_traits(backend).returns_routed_experts:
+        setting = "train_worker.routing_replay: r3" if config.train_worker.routing_replay == "r3" else "rollout.return_routed_experts"
+        return [
+            f"{setting} needs the experts the rollout engine routed each token through, and rollout.backend={backend} "
+            "cannot return them: use a backend that can (transformers), or routing_replay: r2 / none."
+        ]
+    return []
+
+
 def resource_problems(config: TrellisConfig) -> list[str]:
     """Several trainer ranks or rollout workers."""
     problems = []
@@ -208,4 +221,7 @@ def resource_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
-RULES = (task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems, resource_problems)
+RULES = (
+    task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems,
+    routing_problems, resource_problems,
+)

@@ -41,6 +41,17 @@ class RolloutConfig(Frozen):
     eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only.")
     sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE policies: record the experts the engine routed each response token through (top-k ids of "
+        "every MoE layer), for the lake and the router-agreement metrics. train_worker.routing_replay: r3 records "
+        "them whatever this says.",
+    )
+    store_routed_experts: bool = Field(
+        True,
+        description="Write recorded routings to the lake (routed_experts column, layers x K bytes per response token) "
+        "for debug replay, rescoring and counterfactual runs; false keeps them for training only.",
+    )
     runtime_env: dict[str, Any] | None = Field(
         None,
         description="Ray runtime_env of the rollout worker, e.g. {env_vars: {PYTHONPATH: '/opt/vllm-site:${PYTHONPATH}'}} "
@@ -163,6 +174,12 @@ class LossConfig(Frozen):
         "but is left out of the loss.",
     )
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+    router_aux_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="MoE policies: weight of the router's load-balancing loss (Switch Transformer's, over the "
+        "trained tokens). Off by default: RL starts from a balanced router and a short run rarely unbalances it.",
+    )
 
 
 class OptimConfig(Frozen):
@@ -244,6 +261,14 @@ class TrainWorkerConfig(Frozen):
         "graphs keep their memory while the trainer is offloaded, so this suits a trainer that owns its GPU.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda where there is a GPU, else cpu.")
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none",
+        description="MoE policies: which routing the trainer's forward passes use for response tokens. r3: the "
+        "experts the rollout engine chose (rollout routing replay); r2: the experts the trainer chose for the "
+        "old-policy logprobs, kept through the update. The gate weights always come from the trainer's router, "
+        "so it keeps learning. Prompt tokens and responses without a recorded routing route normally (counted as "
+        "router/fallback_sequences). The shared_prefix layout gives way to padded rows while replaying.",
+    )
     offload_when_idle: bool = Field(
         True,
         description="Colocated: move weights and AdamW state to CPU while the rollout runs (as XTuner does). "

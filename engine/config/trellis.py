@@ -160,6 +160,11 @@ class TrellisConfig(Frozen):
         return [reward for reward in found if reward.function is not None]
 
     @property
+    def captures_routing(self) -> bool:
+        """Whether rollouts record the experts of each response token (MoE policies)."""
+        return self.rollout.return_routed_experts or self.train_worker.routing_replay == "r3"
+
+    @property
     def disaggregated(self) -> bool:
         return self.trainer == "disaggregated"
 

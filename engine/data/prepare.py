@@ -30,6 +30,9 @@ class TrainSequence:
     rollout_logprobs: list[float]
     rollout_id: str = ""
     prompt_length: int = 0  # leading input tokens shared by every sample of the prompt (0: unknown)
+    # MoE: the rollout engine's experts for the positions from prompt_length - 1 on, one per response
+    # token ([R, layers, K]); None where the rollout recorded none, or not all of it.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +93,13 @@ def build_sequence(sample: RolloutSample, advantage: float) -> TrainSequence:
         + [lp if keep else 0.0 for lp, keep in zip(sample.logprobs, mask)],
         rollout_id=sample.rollout_id,
         prompt_length=len(prompt),
+        routed_experts=_whole_routing(sample),
     )
+
+
+def _whole_routing(sample: RolloutSample) -> torch.Tensor | None:
+    routing = sample.routed_experts
+    return routing if routing is not None and routing.size(0) == len(sample.response_ids) else None
 
 
 def session_advantages(group: list[RolloutSample], config: AdvantageConfig) -> list[float]:

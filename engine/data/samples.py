@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import torch
+
 
 class Status(str, Enum):
     COMPLETED = "completed"
@@ -36,6 +38,9 @@ class RolloutSample:
     finish_reason: str = ""
     response_mask: list[int] | None = None  # 0 marks tokens not trained on (tool output, masked off-policy tokens)
     response_versions: list[int] = field(default_factory=list)  # policy version that generated each response token
+    # MoE policies: the experts the rollout engine routed each response token through, [R, layers, K]
+    # (entry j: the forward that predicted token j); None for a dense model or when not captured.
+    routed_experts: torch.Tensor | None = None
     status: Status = Status.COMPLETED
     error: str | None = None
     reward: float | None = None

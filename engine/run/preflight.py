@@ -4,11 +4,15 @@ run is launched from), and the code the workers would receive can be shipped."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 
 from trellis.engine.config import DatasetConfig, TrellisConfig
 from trellis.engine.errors import SettingError
+from trellis.engine.moe.checks import moe_setting_problems
+from trellis.engine.moe.routers import config_moe_shape
 from trellis.engine.rollout.rewards.runner import resolve_function
 from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from trellis.engine.storage.store import Store
@@ -32,6 +36,8 @@ def check_inputs(config: TrellisConfig) -> None:
         problem = _missing(Store(dataset.path, dataset.storage_options), None)
         if problem:
             problems.append(f"{name}.path: {problem}")
+    if not problems:
+        problems += _policy_problems(config)
     problems += user_code_problems(user_code_checks(config), launch_directory(config))
     try:
         shipped_code(config)
@@ -70,6 +76,17 @@ def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path |
         except UserCodeError as error:
             problems.append(f"{name}: {error}")
     return problems
+
+
+def _policy_problems(config: TrellisConfig) -> list[str]:
+    """Settings the policy's architecture must allow (routing replay needs an MoE)."""
+    try:
+        with Store(config.load_from, config.storage_options).join("config.json").open("r") as handle:
+            model = json.load(handle)
+    except (OSError, ValueError) as error:
+        return [f"load_from: cannot read its config.json: {error}"]
+    name = ", ".join(model.get("architectures") or []) or str(model.get("model_type"))
+    return moe_setting_problems(config, config_moe_shape(model) is not None, name)
 
 
 def _missing(location: Store, marker: str | None) -> str | None:

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.moe.codec import decode, encode
 from trellis.engine.storage.store import Store
 
 SCHEMA = pa.schema(
@@ -40,6 +41,10 @@ SCHEMA = pa.schema(
         ("rollout_logprobs", pa.list_(pa.float32())),
         ("response_mask", pa.list_(pa.int8())),
         ("response_versions", pa.list_(pa.int32())),  # the policy version of each response token
+        # MoE: the rollout engine's expert ids per response token, raw [R, layers, K] uint8 (int16 past
+        # 256 experts) bytes with their shape; see engine.moe.codec. Null for dense models.
+        ("routed_experts", pa.binary()),
+        ("routed_experts_shape", pa.list_(pa.int32())),
         ("epoch", pa.int64()),
         ("prompt_index", pa.int64()),
         ("max_new_tokens", pa.int32()),  # the prompt's own cap on response tokens, null for the run's
@@ -67,8 +72,10 @@ def partition_uri(run_uri: str, split: str, step: int) -> str:
     return f"{run_uri.rstrip('/')}/trajectories/split={split}/step={step:06d}"
 
 
-def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -> dict[str, Any]:
+def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None, *, routing: bool = True) -> dict[str, Any]:
+    """``routing``: keep the sample's routed experts (rollout.store_routed_experts)."""
     lineage = lineage or RowLineage()
+    routed, routed_shape = encode(sample.routed_experts if routing else None)
     return {
         "run": run,
         "train_step": sample.train_step,
@@ -89,6 +96,8 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -
         "rollout_logprobs": sample.logprobs,
         "response_mask": sample.response_mask,
         "response_versions": sample.response_versions or [sample.policy_version] * len(sample.response_ids),
+        "routed_experts": routed,
+        "routed_experts_shape": routed_shape,
         "epoch": sample.epoch,
         "prompt_index": sample.prompt_index,
         "max_new_tokens": sample.max_new_tokens,
@@ -105,9 +114,11 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None) -
 
 def write_samples(
     samples: list[RolloutSample], *, root: Store, run: str, split: str, step: int, lineage: RowLineage | None = None,
+    routing: bool = True,
 ) -> str:
-    """Write one step's samples as one Parquet part under ``root`` (the run's folder); return the part's URI."""
-    table = pa.Table.from_pylist([to_row(s, run, lineage) for s in samples], schema=SCHEMA)
+    """Write one step's samples as one Parquet part under ``root`` (the run's folder); return the part's URI.
+    ``routing``: keep each sample's routed experts (rollout.store_routed_experts)."""
+    table = pa.Table.from_pylist([to_row(s, run, lineage, routing=routing) for s in samples], schema=SCHEMA)
     return write_part(table, Store(partition_uri(root.uri, split, step), root.options))
 
 
@@ -185,6 +196,7 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         finish_reason=row["finish_reason"],
         response_mask=None if row["response_mask"] is None else list(row["response_mask"]),
         response_versions=list(row.get("response_versions") or []),
+        routed_experts=decode(row.get("routed_experts"), row.get("routed_experts_shape")),
         epoch=row.get("epoch", 0),
         max_new_tokens=row.get("max_new_tokens"),
         status=Status(row["status"]),

@@ -161,12 +161,18 @@ def build_tiny_checkpoint(
     warmup_seed: int = WARMUP_SEED,
     added_tokens: tuple[str, ...] = (),
     first_turn_steps: int = 0,
+    moe: bool = False,
 ) -> Path:
     """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder; the bundled
-    reverse task by default, or any task given as ``make_example`` (random.Random -> prompt, answer)."""
+    reverse task by default, or any task given as ``make_example`` (random.Random -> prompt, answer).
+    ``moe``: the mixture-of-experts variant (``engine.tiny.moe``), with its own warm-up length."""
+    from trellis.engine.tiny import moe as tiny_moe
+
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(make_example=make_example, added_tokens=added_tokens)
-    model = build_model(tokenizer)
+    model = tiny_moe.build_moe_model(tokenizer) if moe else build_model(tokenizer)
+    if moe and warmup_steps == WARMUP_STEPS:
+        warmup_steps = tiny_moe.WARMUP_STEPS
     if warmup:
         warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps)
     out_dir.mkdir(parents=True, exist_ok=True)

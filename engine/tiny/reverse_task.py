@@ -45,8 +45,9 @@ def partial_score(sample: dict[str, Any]) -> float:
     return sum(a == b for a, b in zip(response, label)) / max(len(label), len(response))
 
 
-def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
-    """The tiny model and tokenizer warmed up on this task (``trellis tiny-model``)."""
+def build_checkpoint(out_dir: str | Path, *, warmup: bool = True, moe: bool = False) -> Path:
+    """The tiny model and tokenizer warmed up on this task (``trellis tiny-model``); ``moe``: its
+    mixture-of-experts variant."""
     from trellis.engine.tiny.model import build_tiny_checkpoint
 
-    return build_tiny_checkpoint(out_dir, warmup=warmup)
+    return build_tiny_checkpoint(out_dir, warmup=warmup, moe=moe)

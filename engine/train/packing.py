@@ -23,6 +23,7 @@ from typing import Self
 import torch
 
 from trellis.engine.data.prepare import IGNORE, TrainSequence
+from trellis.engine.moe.replay_rows import replay_rows
 
 
 class LabelRows:
@@ -55,6 +56,14 @@ class MicroBatch(LabelRows):
     rollout_logprobs_NL: torch.Tensor
     sequence_indices: list[int]  # positions of these sequences in the mini-batch
     label_index_K: torch.Tensor  # row-major positions of the K labels in [N, L]
+    # MoE: recorded experts over the N x L token slots and where they apply (engine.moe.replay_rows)
+    routed_experts_TLK: torch.Tensor | None = None
+    routed_mask_T: torch.Tensor | None = None
+
+    @property
+    def tokens_T(self) -> torch.Tensor:
+        """Which of the token slots the routers see are real tokens (not padding)."""
+        return self.attention_mask_NL.flatten().bool()
 
     def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
         """Last hidden states of the labelled positions: [K, H]."""
@@ -158,7 +167,10 @@ def to_padded(sequences: list[TrainSequence], indices: list[int], pad_id: int) -
         labels[row, :n] = torch.tensor(seq.labels)
         advantages[row, :n] = torch.tensor(seq.advantages)
         rollout_logprobs[row, :n] = torch.tensor(seq.rollout_logprobs)
-    return MicroBatch(input_ids, attention, labels, advantages, rollout_logprobs, list(indices), label_index(labels))
+    routed, routed_mask = replay_rows(chosen, [row * width for row in range(len(chosen))], len(chosen) * width)
+    return MicroBatch(
+        input_ids, attention, labels, advantages, rollout_logprobs, list(indices), label_index(labels), routed, routed_mask
+    )
 
 
 @dataclass
@@ -176,6 +188,13 @@ class PackedBatch(LabelRows):
     rollout_logprobs_NL: torch.Tensor
     sequence_indices: list[int]
     label_index_K: torch.Tensor
+    routed_experts_TLK: torch.Tensor | None = None
+    routed_mask_T: torch.Tensor | None = None
+    real_tokens: int = 0  # the row's tokens before any fill
+
+    @property
+    def tokens_T(self) -> torch.Tensor:
+        return torch.arange(self.input_ids_1T.size(1), device=self.input_ids_1T.device) < self.real_tokens
 
     def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
         hidden_1TH = decoder(
@@ -204,6 +223,8 @@ def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int, *
     tokens = [token for seq in chosen for token in seq.input_ids]
     max_length = max(lengths)
     bounds = [0, *itertools.accumulate(lengths)]
+    real_tokens = bounds[-1]
+    routed, routed_mask = replay_rows(chosen, bounds[:-1], row_length or real_tokens)
     positions = [torch.arange(n) for n in lengths]
     if row_length is not None:
         fill = row_length - bounds[-1]
@@ -228,6 +249,9 @@ def to_packed(sequences: list[TrainSequence], indices: list[int], pad_id: int, *
         rollout_logprobs_NL=padded.rollout_logprobs_NL,
         sequence_indices=list(indices),
         label_index_K=padded.label_index_K,
+        routed_experts_TLK=routed,
+        routed_mask_T=routed_mask,
+        real_tokens=real_tokens,
     )
 
 

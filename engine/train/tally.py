@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from trellis.engine.algo.losses import mismatch_sums
 from trellis.engine.data.prepare import TrainSequence
 
 
@@ -103,6 +104,8 @@ def mini_batch_metrics(sums, maxima, minima, tokens: float, grad_norm: float, lr
     metrics["mismatch/train_ppl"] = math.exp(sums["mismatch/train_nll"] / tokens)
     metrics["mismatch/rollout_ppl"] = math.exp(sums["mismatch/rollout_nll"] / tokens)
     metrics["entropy/rollout"] = sums["mismatch/rollout_nll"] / tokens  # sampled-token NLL estimates entropy
+    if "router/aux_loss" in sums:
+        metrics["router/aux_loss"] = sums["router/aux_loss"]
     if "rollout_is/weight_sum" in sums:
         metrics["rollout_is/mean"] = sums["rollout_is/weight_sum"] / tokens
         metrics["rollout_is/max"] = maxima["rollout_is/max"]
@@ -114,3 +117,16 @@ def mini_batch_metrics(sums, maxima, minima, tokens: float, grad_norm: float, lr
 def average(mini_batches: list[dict[str, float]]) -> dict[str, float]:
     keys = mini_batches[0].keys() if mini_batches else []
     return {key: sum(m[key] for m in mini_batches) / len(mini_batches) for key in keys}
+
+
+def record_token_stats(record: Tally, counts: dict[str, torch.Tensor], entropy: torch.Tensor, old_logprobs: torch.Tensor,
+                       rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """A micro-batch's clip counts, entropy and train/rollout mismatch sums."""
+    for name, value in counts.items():
+        record.add(name, value)
+    record.add("entropy_sum", entropy.sum())
+    for name, value in mismatch_sums(old_logprobs, rollout_logprobs, mask).items():
+        if name.endswith("_max"):
+            record.max(f"mismatch/{name}", value)
+        else:
+            record.add(f"mismatch/{name}", value)

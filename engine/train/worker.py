@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -17,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.engine.algo.losses import (
     aggregate,
-    mismatch_sums,
     policy_objective,
     rollout_is_weights,
 )
@@ -39,6 +39,7 @@ from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp
 from trellis.engine.train.compile import compile_decoder
 from trellis.engine.train.logprob_head import Policy, output_head
+from trellis.engine.train.moe_routing import TrainerRouting
 from trellis.engine.train.packing import MicroBatch, PackedBatch, pack, split_by_tokens, to_packed, to_padded
 from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from trellis.engine.train.shared_prefix import SharedPrefixBatch, can_share, to_shared_prefix
@@ -47,6 +48,7 @@ from trellis.engine.train.tally import (
     average,
     lr_factor,
     mini_batch_metrics,
+    record_token_stats,
     split_evenly,
 )
 from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
@@ -105,6 +107,7 @@ class TrainingWorker:
             compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs)
         self.model.config.use_cache = False
         self._reference = self._build_reference(bf16) if config.loss.kl_coef > 0 else None
+        self._routing = TrainerRouting(self.model, config, self._device)  # after the reference copy, which routes itself
         self.policy = self._policy(self.model)
         if self._fsdp:
             fsdp.shard(
@@ -154,15 +157,25 @@ class TrainingWorker:
         for seqs, micro, count in zip(mini_batches, micro_per_mini, fsdp.max_over_ranks(real_counts)):
             filler = micro[0] if micro else self._micro_batches(seqs[:1])[0]
             micro.extend([filler] * (int(count) - len(micro)))
-        # Old and reference logprobs are taken for the whole batch before the first update.
-        old = [[self._logprobs_no_grad(self.policy, m) for m in micro] for micro in micro_per_mini] if needs_old else None
+        # Old and reference logprobs are taken for the whole batch before the first update; with r2
+        # the old pass's routing is kept for the update.
+        old, routes = None, None
+        self._routing.start_fit()
+        if needs_old:
+            passes = [[self._old_pass(m, i < real) for i, m in enumerate(micro)] for micro, real in zip(micro_per_mini, real_counts)]
+            old = [[logprobs for logprobs, _ in micro] for micro in passes]
+            routes = [[route for _, route in micro] for micro in passes]
         ref = None
         if self._reference is not None:
             ref = [[self._logprobs_no_grad(self._reference, m) for m in micro] for micro in micro_per_mini]
         for index, micro in enumerate(micro_per_mini):
-            metrics = self._update(micro, real_counts[index], old[index] if old else None, ref[index] if ref else None)
+            metrics = self._update(
+                micro, real_counts[index], old[index] if old else None, ref[index] if ref else None,
+                routes[index] if routes else None, first_pass=not needs_old,
+            )
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
+        result.metrics.update(self._routing.finish_fit(self._my_share(batch.sequences), reduce_over_ranks=self._world > 1))
         if self._device.type == "cuda":  # the rank that needed most; it sets how large a model fits
             peak = torch.cuda.max_memory_allocated(self._device) / 2**30
             result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
@@ -178,7 +191,8 @@ class TrainingWorker:
 
     def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
         layout = self._layout
-        if layout == "shared_prefix" and not can_share(sequences):
+        # The routers of an MoE policy must see each token once per forward, in one row order.
+        if layout == "shared_prefix" and (not can_share(sequences) or self._routing.is_moe):
             layout = "padded"
         budget = self._config.train_worker.pack_max_length
         lay_out = LAYOUTS[layout]
@@ -202,7 +216,8 @@ class TrainingWorker:
             return policy(batch)
 
     def _update(
-        self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None
+        self, micro: list[Layout], real: int, old: list[torch.Tensor] | None, ref: list[torch.Tensor] | None,
+        routes: list[torch.Tensor | None] | None = None, first_pass: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over ``micro``, of which the first ``real`` are this rank's share (the rest
         only keep the ranks in step). The loss is normalised by the tokens (or sequences) of every
@@ -218,38 +233,16 @@ class TrainingWorker:
             for param in self.model.parameters():
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
+        reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
         for index, batch in enumerate(micro):
             record = tally if index < real else Tally()  # a filler's metrics are not this rank's
-            mask = batch.loss_mask_NL
-            logprobs, entropy = self._token_logprobs(self.policy, batch)
-            old_logprobs = old[index] if old is not None else logprobs.detach()
-            is_weights = None
-            if loss_config.rollout_is.level != "none":
-                is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
-                record.add("rollout_is/weight_sum", is_stats["weight_sum"])
-                record.add("rollout_is/rejected", is_stats["rejected"])
-                record.max("rollout_is/max", is_stats["weight_max"])
-                record.min("rollout_is/min", is_stats["weight_min"])
-            pg_loss, kl, counts = policy_objective(
-                logprobs,
-                old_logprobs,
-                batch.advantages_NL,
-                mask,
-                loss_config,
-                is_weights_NL=is_weights,
-                ref_logprobs_NL=ref[index] if ref is not None else None,
-            )
-            reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
-            loss = aggregate(pg_loss, mask, **reduce)
-            record.add("pg_loss", loss)
-            if kl is not None:
-                kl_loss = aggregate(kl, mask, **reduce)
-                loss = loss + loss_config.kl_coef * kl_loss
-                record.add("kl", kl_loss)
-            # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
-            # so the world size turns that average back into their sum.
-            (loss * (self._world if index < real else 0.0)).backward()
-            _record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
+            with self._routing.session(batch, routes[index] if routes else None) as session:
+                loss = self._micro_loss(batch, old[index] if old is not None else None, ref[index] if ref is not None else None,
+                                        record, reduce, session)
+                # FSDP averages the ranks' gradients; the loss is already normalised by every rank's tokens,
+                # so the world size turns that average back into their sum.
+                (loss * (self._world if index < real else 0.0)).backward()
+            self._routing.observe(session, batch, agreement=first_pass and index < real, update=index < real)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._config.optim.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -259,6 +252,45 @@ class TrainingWorker:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return mini_batch_metrics(*tally.values(reduce_over_ranks=self._world > 1), total_tokens, float(grad_norm), lr)
+
+    def _micro_loss(
+        self, batch: Layout, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, record: Tally,
+        reduce: dict[str, Any], session,
+    ) -> torch.Tensor:
+        """One micro-batch's share of the mini-batch loss (its forward pass included)."""
+        loss_config = self._config.loss
+        mask = batch.loss_mask_NL
+        logprobs, entropy = self._token_logprobs(self.policy, batch)
+        old_logprobs = old_logprobs if old_logprobs is not None else logprobs.detach()
+        is_weights = None
+        if loss_config.rollout_is.level != "none":
+            is_weights, is_stats = rollout_is_weights(old_logprobs, batch.rollout_logprobs_NL, mask, loss_config.rollout_is)
+            record.add("rollout_is/weight_sum", is_stats["weight_sum"])
+            record.add("rollout_is/rejected", is_stats["rejected"])
+            record.max("rollout_is/max", is_stats["weight_max"])
+            record.min("rollout_is/min", is_stats["weight_min"])
+        pg_loss, kl, counts = policy_objective(
+            logprobs, old_logprobs, batch.advantages_NL, mask, loss_config, is_weights_NL=is_weights, ref_logprobs_NL=ref_logprobs
+        )
+        loss = aggregate(pg_loss, mask, **reduce)
+        record.add("pg_loss", loss)
+        if kl is not None:
+            kl_loss = aggregate(kl, mask, **reduce)
+            loss = loss + loss_config.kl_coef * kl_loss
+            record.add("kl", kl_loss)
+        if (aux := self._routing.aux_loss(session, batch, reduce["total_tokens"])) is not None:
+            loss = loss + aux
+            record.add("router/aux_loss", aux)
+        record_token_stats(record, counts, entropy, old_logprobs.detach(), batch.rollout_logprobs_NL, mask)
+        return loss
+
+    @torch.no_grad()
+    def _old_pass(self, batch: Layout, mine: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old-policy logprobs; with r2 also the experts the trainer routed each token to."""
+        with self._routing.session(batch) as session:
+            logprobs = self._token_logprobs(self.policy, batch)[0]
+        self._routing.observe(session, batch, agreement=mine, update=False)
+        return logprobs, self._routing.own_route(session)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, policy: Policy, batch: Layout) -> torch.Tensor:
@@ -285,7 +317,8 @@ class TrainingWorker:
         """Write this worker's part of a checkpoint: weights, optimizer, scheduler, step and RNG states.
         Several ranks write a distributed checkpoint (each rank its shards) that loads at any world
         size; one rank writes full tensors (``model.safetensors``), which load at any world size too."""
-        state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng()}
+        state = {"applied_step": self.applied_step, "scheduler": self.scheduler.state_dict(), "rng": capture_rng(),
+                 "moe": self._routing.checkpoint_entry()}
         if self._world > 1:
             save_sharded(checkpoint, self.model, self.optimizer if save_optimizer else None)
             name = "trainer.pt" if self._rank == 0 else f"trainer-rank{self._rank}.pt"
@@ -301,6 +334,9 @@ class TrainingWorker:
     def load_checkpoint(self, checkpoint: Store, *, load_optimizer: bool = True) -> int:
         """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
         uri = checkpoint.uri.rstrip("/")
+        state = load_object(checkpoint.join("trainer.pt"))
+        if (problem := self._routing.load_problem(uri, state)) is not None:
+            raise CheckpointError(problem)
         if is_sharded(checkpoint):
             if load_optimizer and not checkpoint.join("optim").exists():
                 raise CheckpointError(_NO_OPTIMIZER.format(uri=uri))
@@ -313,7 +349,6 @@ class TrainingWorker:
                 fsdp.load_optimizer_state(self.model, self.optimizer, load_object(checkpoint.join("optimizer.pt")))
         if not load_optimizer:
             self.optimizer.state.clear()
-        state = load_object(checkpoint.join("trainer.pt"))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
@@ -353,19 +388,6 @@ class TrainingWorker:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
-
-
-def _record_token_stats(record: Tally, counts: dict[str, torch.Tensor], entropy: torch.Tensor, old_logprobs: torch.Tensor,
-                        rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """A micro-batch's clip counts, entropy and train/rollout mismatch sums."""
-    for name, value in counts.items():
-        record.add(name, value)
-    record.add("entropy_sum", entropy.sum())
-    for name, value in mismatch_sums(old_logprobs, rollout_logprobs, mask).items():
-        if name.endswith("_max"):
-            record.max(f"mismatch/{name}", value)
-        else:
-            record.add(f"mismatch/{name}", value)
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:

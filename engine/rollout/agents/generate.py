@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator
 
+import torch
+
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
 
@@ -64,6 +66,7 @@ def extend(
     sample.response_versions = earlier_versions + [version] * len(new_ids)
     sample.response_ids = sample.response_ids + new_ids
     sample.logprobs = sample.logprobs + new_logprobs
+    sample.routed_experts = _joined_routing(sample, generation.routed_experts, left, continued)
     if not continued:
         sample.response = generation.text
     else:
@@ -71,6 +74,15 @@ def extend(
     truncated = len(generation.response_ids) > left
     sample.finish_reason = "length" if truncated else generation.finish_reason
     sample.status = Status.ABORTED if sample.finish_reason == "abort" else Status.COMPLETED
+
+
+def _joined_routing(sample: RolloutSample, new: torch.Tensor | None, left: int, continued: bool) -> torch.Tensor | None:
+    """A continued response keeps the routing its earlier tokens got from the engine that made them;
+    if either part has none, the response has none (training then routes it itself)."""
+    if new is None or (continued and sample.routed_experts is None):
+        return None
+    new = new[:left]
+    return torch.cat([sample.routed_experts, new]) if continued else new
 
 
 def budget_of(sample: RolloutSample, params: SamplingParams) -> int:

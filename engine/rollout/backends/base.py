@@ -33,6 +33,9 @@ class Generation:
     text: str
     finish_reason: FinishReason
     extra: dict[str, object] = field(default_factory=dict)
+    # [R, MoE layers, K] expert ids of the forward that predicted each response token, where the
+    # backend was asked to capture routing (an MoE policy); None otherwise.
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutBackend(Protocol):

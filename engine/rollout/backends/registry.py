@@ -24,6 +24,7 @@ def _vllm(config: TrellisConfig, tokenizer) -> RolloutBackend:
         max_model_len=config.max_prompt_length + rollout.max_new_tokens,
         sleep_level=rollout.sleep_level,
         seed=config.seed,
+        capture_routing=config.captures_routing,
     )
 
 
@@ -31,7 +32,9 @@ def _transformers(config: TrellisConfig, tokenizer) -> RolloutBackend:
     """On the trainer's device, bf16 on GPU, fp32 on CPU."""
     device = rollout_device(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TransformersRollout(config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed)
+    return TransformersRollout(
+        config.load_from, tokenizer, device=str(device), dtype=dtype, seed=config.seed, capture_routing=config.captures_routing
+    )
 
 
 BUILDERS: dict[str, Callable[[TrellisConfig, object], RolloutBackend]] = {"vllm": _vllm, "transformers": _transformers}

@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
 
 from trellis.engine.data.token_rows import left_pad, unique_rows
+from trellis.engine.moe.routers import find_routers
+from trellis.engine.moe.routing import RouterHooks
 from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
 
 _NEG_INF = float("-inf")
@@ -33,11 +35,15 @@ class TransformersRollout:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        capture_routing: bool = False,
     ) -> None:
+        """``capture_routing``: hand back the experts an MoE policy routed each response token through
+        (``Generation.routed_experts``); a dense model has none to hand back."""
         self._tokenizer = tokenizer
         self._device = torch.device(device)
         self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self._device).eval()
         self._model.requires_grad_(False)
+        self._routing = RouterHooks(self._model) if capture_routing and find_routers(self._model) else None
         self._policy_version = 0
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._eos_ids = tuple(sorted(_eos_ids(tokenizer, self._model)))
@@ -70,10 +76,11 @@ class TransformersRollout:
         input_ids, attention_mask = (t.to(self._device) for t in left_pad(rows, self._pad_id))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        logits, route_BLK = self._forward(input_ids, attention_mask, position_ids, cache)
         if len(rows) < len(prompts):
             cache.reorder_cache(row_of_sample)
             logits, attention_mask, position_ids = (t.index_select(0, row_of_sample) for t in (logits, attention_mask, position_ids))
+            route_BLK = route_BLK.index_select(0, row_of_sample) if route_BLK is not None else None
         batch = len(prompts)
         limit_B = torch.tensor(limits if limits is not None else [params.max_new_tokens] * batch, device=self._device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self._device)
@@ -81,6 +88,11 @@ class TransformersRollout:
         tokens_BT = torch.full((batch, params.max_new_tokens), self._pad_id, device=self._device)
         logprobs_BT = torch.zeros(batch, params.max_new_tokens, device=self._device)
         lengths_B = torch.zeros(batch, dtype=torch.long, device=self._device)
+        # Entry t: the experts of the forward whose logits sampled token t (the prompt's last position first).
+        routes_BTLK = None
+        if self._routing is not None:
+            shape = self._routing.shape
+            routes_BTLK = torch.zeros(batch, params.max_new_tokens, shape.layers, shape.top_k, dtype=shape.id_dtype, device=self._device)
 
         for t in range(params.max_new_tokens):
             if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
@@ -90,19 +102,21 @@ class TransformersRollout:
             tokens_BT[:, t] = torch.where(alive, token_B, self._pad_id)
             logprobs_BT[:, t] = torch.where(alive, logprob_B, 0.0)
             lengths_B += alive.long()
+            if routes_BTLK is not None:
+                routes_BTLK[:, t] = route_BLK.to(routes_BTLK.dtype)
             stopped |= alive & torch.isin(token_B, stop_ids)
             finished |= stopped | (lengths_B >= limit_B)
             if t == params.max_new_tokens - 1:
                 finished[:] = True
             for row in (alive & finished).nonzero().flatten().tolist():
-                yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, row, "stop" if stopped[row] else "length")
+                yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, routes_BTLK, row, "stop" if stopped[row] else "length")
             if bool(finished.all()):
                 return
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1
-            logits = self._forward(tokens_BT[:, t : t + 1], attention_mask, position_ids, cache)
+            logits, route_BLK = self._forward(tokens_BT[:, t : t + 1], attention_mask, position_ids, cache)
         for row in (~finished).nonzero().flatten().tolist():  # interrupted
-            yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, row, "abort")
+            yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, routes_BTLK, row, "abort")
 
     def abort(self) -> None:
         """Stop generating at the next token (from another thread) until ``resume_generation``:
@@ -127,8 +141,9 @@ class TransformersRollout:
     def onload(self) -> None:
         """Nothing was offloaded; see ``offload``."""
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        out = self._model(
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last position's logits per row, and with routing capture that position's experts [B, L, K]."""
+        arguments = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -136,13 +151,21 @@ class TransformersRollout:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :].float()
+        if self._routing is None:
+            return self._model(**arguments).logits[:, -1, :].float(), None
+        with self._routing.session() as session:
+            logits = self._model(**arguments).logits[:, -1, :].float()
+        experts_TLK = session.computed_TLK()
+        return logits, experts_TLK.view(*input_ids.shape, *experts_TLK.shape[1:])[:, -1]
 
-    def _generation(self, tokens_BT, logprobs_BT, lengths_B, row: int, reason: FinishReason) -> Generation:
+    def _generation(self, tokens_BT, logprobs_BT, lengths_B, routes_BTLK, row: int, reason: FinishReason) -> Generation:
         length = int(lengths_B[row])
         ids = tokens_BT[row, :length].tolist()
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        return Generation(response_ids=ids, logprobs=logprobs_BT[row, :length].float().tolist(), text=text, finish_reason=reason)
+        routed = routes_BTLK[row, :length].cpu().clone() if routes_BTLK is not None else None
+        return Generation(
+            response_ids=ids, logprobs=logprobs_BT[row, :length].float().tolist(), text=text, finish_reason=reason, routed_experts=routed
+        )
 
 
 def sample_tokens(

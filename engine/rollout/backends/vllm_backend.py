@@ -37,7 +37,10 @@ class VllmRollout:
         max_model_len: int | None = None,
         sleep_level: int = 1,
         seed: int = 0,
+        capture_routing: bool = False,
     ) -> None:
+        """``capture_routing``: ask vLLM (0.26+) for each request's routed experts
+        (``enable_return_routed_experts``) and hand them back per response token. Untested on a GPU so far."""
         from vllm import LLM
 
         self._tokenizer = tokenizer
@@ -48,6 +51,8 @@ class VllmRollout:
         self._weights_awake = True
         self._policy_version = 0
         self._seed = seed
+        self._capture_routing = capture_routing
+        routing = {"enable_return_routed_experts": True} if capture_routing else {}
         self._llm = LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -58,6 +63,7 @@ class VllmRollout:
             seed=seed,
             # The contract: logprobs of the sampled token under logits / temperature.
             logprobs_mode="processed_logprobs",
+            **routing,
         )
 
     @property
@@ -105,16 +111,30 @@ class VllmRollout:
                     completion = output.outputs[0]
                     ids = list(completion.token_ids)
                     reason = _FINISH.get(completion.finish_reason or "", "length")
-                    yield index_of.pop(output.request_id), self._generation(ids, _sampled_logprobs(ids, completion.logprobs), reason)
+                    index = index_of.pop(output.request_id)
+                    routed = self._response_routing(completion.routed_experts, len(prompts[index]), len(ids))
+                    yield index, self._generation(ids, _sampled_logprobs(ids, completion.logprobs), reason, routed)
         finally:  # an abort, or a caller that stopped listening: the engine keeps nothing of this call
             partial = {request_id: _partial(engine, internal_ids[request_id]) for request_id in index_of}
             engine.abort_request(list(index_of))
         for request_id, index in index_of.items():
             yield index, self._generation(*partial[request_id], "abort")
 
-    def _generation(self, ids: list[int], logprobs: list[float], reason: FinishReason) -> Generation:
+    def _generation(self, ids: list[int], logprobs: list[float], reason: FinishReason, routed: torch.Tensor | None = None) -> Generation:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        return Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason)
+        return Generation(response_ids=ids, logprobs=logprobs, text=text, finish_reason=reason, routed_experts=routed)
+
+    def _response_routing(self, routed, prompt_length: int, response_length: int) -> torch.Tensor | None:
+        """vLLM's routing covers every position it ran ([prompt + response - 1, layers, K]); response token
+        j was predicted at position prompt_length - 1 + j. A shorter record is a truncated capture: None,
+        and training routes that response itself."""
+        if not self._capture_routing or routed is None:
+            return None
+        start = prompt_length - 1
+        if len(routed) < start + response_length:
+            return None
+        ids = torch.as_tensor(routed[start : start + response_length]).long()
+        return ids.to(torch.uint8 if ids.numel() == 0 or int(ids.max()) < 256 else torch.int16)
 
     def abort(self) -> None:
         """Stop generating at the next engine step (from another thread) until ``resume_generation``:

@@ -172,6 +172,7 @@ class Controller:
         uri = write_samples(
             samples, root=Store(config.trajectory_root(split), config.storage_options), run=config.experiment_name, split=split,
             step=step, lineage=RowLineage(flow_run_id, checkpoints),
+            routing=config.rollout.store_routed_experts,
         )
         record_step(config, split=split, step=step, partition=uri, flow_run_id=flow_run_id, checkpoints=checkpoints)
         if split == "train" and ledger is not None:

@@ -25,6 +25,7 @@ def reset_responses(samples: list[RolloutSample]) -> None:
     """Back to the prompt: what a regenerated group starts from."""
     for sample in samples:
         sample.response_ids, sample.logprobs, sample.response_versions = [], [], []
+        sample.routed_experts = None
         sample.response, sample.finish_reason, sample.response_mask = "", "", None
         sample.status, sample.error, sample.reward, sample.reward_payload = Status.COMPLETED, None, None, {}
 
