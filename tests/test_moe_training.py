@@ -41,7 +41,8 @@ def moe_model(tmp_path_factory):
 def _config(model, reverse_data, **changes):
     return load_config(
         None, load_from=str(model), train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
-        total_train_steps=4, train_batch_size=8, prompt_repeat_k=4, **changes,
+        total_train_steps=4, train_batch_size=8, prompt_repeat_k=4, reward={"function": "trellis.engine.tiny.reverse_task:score"},
+        **changes,
     )
 
 
