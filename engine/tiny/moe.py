@@ -1,7 +1,7 @@
 """The tiny policy as a mixture of experts: Qwen3-MoE with 8 experts per layer, top-2 routing.
 
 The same tokenizer, task and warm-up as the dense model (shared/TINY_TASK.md), with every MLP replaced
-by experts. It has room to learn from about where the dense one starts: greedy 38% after 50 warm-up steps.
+by experts. Its own warm-up seed and length (below) start it at greedy 46% with every word length partly learnt.
 """
 
 from __future__ import annotations
