@@ -173,6 +173,8 @@ def build_tiny_checkpoint(
     model = tiny_moe.build_moe_model(tokenizer) if moe else build_model(tokenizer)
     if moe and warmup_steps == WARMUP_STEPS:
         warmup_steps = tiny_moe.WARMUP_STEPS
+    if moe and warmup_seed == WARMUP_SEED:
+        warmup_seed = tiny_moe.WARMUP_SEED
     if warmup:
         warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps)
     out_dir.mkdir(parents=True, exist_ok=True)
