@@ -62,7 +62,8 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     data = work / "train.parquet"
     if not data.exists():
         write_dataset(data, 2048, seed=0)
-    rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory}
+    rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory,
+               "return_routed_experts": args.return_routed_experts}
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
@@ -70,7 +71,8 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,
-        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer, "compile": args.compile},
+        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer, "compile": args.compile,
+                      "routing_replay": args.routing_replay},
         work_dir=str(work / "runs"),
         exp_tracker="jsonl",
     )
@@ -95,6 +97,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--lr", type=float, help="optim.lr (default: the config's)")
     parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
+    parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
+    parser.add_argument("--return-routed-experts", action="store_true", help="MoE: rollout.return_routed_experts (router agreement)")
 
 
 def step_argv(args: argparse.Namespace) -> list[str]:
@@ -104,6 +108,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--lr", str(args.lr)] if args.lr is not None else []
     argv += ["--model", str(args.model)] if args.model is not None else []
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
+    argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
 
 
@@ -113,7 +118,7 @@ def run_settings(config) -> dict:
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
         "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature"},
         "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"},
-        "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype"},
+        "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype", "routing_replay"},
     })
 
 

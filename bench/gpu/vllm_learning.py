@@ -3,7 +3,11 @@ backends change (vLLM rollout in bf16, trainer on CUDA with fp32 master weights 
 Held-out accuracy must rise, and the train/rollout logprob mismatch must stay near zero, or the
 rollout logprobs or the weight sync are wrong.
 
-    python bench/gpu/vllm_learning.py OUT_DIR [--steps 50]
+    python bench/gpu/vllm_learning.py OUT_DIR [--steps 50] [--moe]
+
+``--moe``: the tiny mixture-of-experts policy (``trellis tiny-model --moe``) with rollout routing replay
+(``routing_replay: r3``): vLLM hands back each response token's experts and the trainer routes it
+through them; needs vLLM's MoE kernels (bench/gpu/pack_moe_kernels.sh). Also reports router agreement.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
-def tiny_task(work: Path) -> dict:
+def tiny_task(work: Path, moe: bool = False) -> dict:
     """The bundled task's model and datasets under ``work``, as config settings."""
     return dict(
-        load_from=str(build_tiny_checkpoint(work / "model")),
+        load_from=str(build_tiny_checkpoint(work / ("moe" if moe else "model"), moe=moe)),
         train_dataset={"path": str(write_dataset(work / "train.parquet", 4096, seed=0)), "max_prompt_length": 64},
         eval_dataset={"path": str(write_dataset(work / "eval.parquet", 512, seed=EVAL_SEED_OFFSET)), "max_prompt_length": 64},
     )
@@ -38,12 +42,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--moe", action="store_true", help="the tiny MoE policy with routing replay r3")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu/tiny")
     config = load_config(
         "configs/tiny_reverse.yaml",
-        **tiny_task(work),
+        **tiny_task(work, args.moe),
         work_dir=str(work / "runs"),
         total_train_steps=args.steps,
         checkpoint_interval=-1,
@@ -51,7 +56,7 @@ def main() -> None:
         auto_resume=False,
         deterministic=False,
         rollout={"backend": "vllm", "temperature": 0.6, "max_new_tokens": 8, "gpu_memory_utilization": 0.3},
-        train_worker={"device": "cuda"},
+        train_worker={"device": "cuda", "routing_replay": "r3" if args.moe else "none"},
     )
     started = time.perf_counter()
     with LocalRun(config) as run:
@@ -62,6 +67,7 @@ def main() -> None:
     after_sync = [m for m in steps[1:]]  # sync every step: each later batch was sampled by freshly synced weights
     result = {
         "steps": args.steps,
+        "policy": "tiny MoE, routing_replay r3" if args.moe else "tiny dense",
         "wall_s": wall,
         "eval_accuracy": evals,
         "reward_first5": statistics.mean(m["response/rewards/mean"] for m in steps[:5]),
@@ -69,9 +75,11 @@ def main() -> None:
         "mismatch_k3_kl_median": statistics.median(m["mismatch/k3_kl"] for m in after_sync),
         "mismatch_abs_logprob_diff_median": statistics.median(m["mismatch/abs_logprob_diff"] for m in after_sync),
         "mismatch_abs_logprob_diff_max": max(m["mismatch/abs_logprob_diff_max"] for m in after_sync),
+        "router_agreement_median": statistics.median([m["router/agreement"] for m in steps if "router/agreement" in m] or [float("nan")]),
+        "router_replayed_tokens_last": steps[-1].get("router/replayed_tokens") if args.moe else None,
         "time_median_s": {k: statistics.median(m[k] for m in steps if k in m) for k in steps[-1] if k.startswith("time/")},
     }
-    (args.out / "vllm_learning.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"vllm_learning{'_moe' if args.moe else ''}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2), flush=True)
 
 
