@@ -5,7 +5,7 @@ Both train the workload of ``trl_peer.py``: the same random Qwen2-0.5B-shaped mo
 tokenizer, the bundled reverse task's prompts, 32 prompts x 8 samples = 256 completions of up to 256 new
 tokens per step, one optimizer step per batch, no KL term, lr 1e-6, temperature 1.0, vLLM at
 ``--vllm-memory`` (0.3) of the GPU, tensor parallel 1, fp32 master weights under bf16 compute. verl is
-started as its users start it, ``python -m verl.trainer.main_ppo`` with Hydra overrides (``overrides()``
+started as its users start it, ``python -m verl.trainer.main_ppo`` with Hydra overrides (``verl_config.overrides()``
 lists every one); everything else keeps verl 0.9.1's defaults, among them: the v1 ``sync`` trainer over
 TransferQueue, the async vLLM server replica with sleep mode (vLLM frees its weights and KV cache after
 each rollout and takes the new weights over CUDA IPC before the next), old log-probs recomputed by the
@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -86,11 +85,11 @@ sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from run_facts import files_digest, weights_digest  # noqa: E402
-from trl_peer import GPU, TOKENS_COUNTED, WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data, report  # noqa: E402
+from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data, report  # noqa: E402
+from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
+from verl_records import phase_medians, read_steps  # noqa: E402
 
 CONTESTANTS = ("verl", "trellis", "trellis-compiled")
-REWARD_FILE = HERE / "verl_reward.py"
 DIFFER_BY_DESIGN = {
     "compiled": "each side's default (verl compiles its log-prob/entropy helpers, not the model)",
     "tokens counted from": "each side's own records",
@@ -98,102 +97,6 @@ DIFFER_BY_DESIGN = {
 }
 FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
            "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f"}
-
-
-def verl_data(model: Path, data: Path, max_prompt_length: int) -> tuple[Path, Path]:
-    """trl_peer.py's prompts in verl's RL dataset format: ``prompt`` as chat messages, ``data_source``,
-    ``reward_model.ground_truth``, ``extra_info.index``; the validation file (verl builds its loader even
-    with validation off) is the first 32 rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
-
-    rows = pq.read_table(data).to_pylist()
-    records = [{"data_source": r["data_source"], "prompt": [{"role": "user", "content": r["prompt"]}], "ability": "reverse",
-                "reward_model": {"style": "rule", "ground_truth": r["label"]}, "extra_info": {"index": i, "split": "train"}}
-               for i, r in enumerate(rows)]
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    longest = max(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
-                  for r in records)
-    if longest > max_prompt_length:
-        raise SystemExit(f"--max-prompt-length {max_prompt_length}: the longest prompt has {longest} tokens")
-    train, val = WORK / "verl_train.parquet", WORK / "verl_val.parquet"
-    pq.write_table(pa.Table.from_pylist(records), train)
-    pq.write_table(pa.Table.from_pylist(records[:32]), val)
-    return train, val
-
-
-def overrides(args: argparse.Namespace, model: Path, train: Path, val: Path, round_: int) -> list[str]:
-    """verl's Hydra overrides for the shared workload; every key exists in verl 0.9.1's ppo_trainer config
-    (``+`` adds the two that are empty there)."""
-    step = GPU
-    micro = step["prompts"] * step["group"] // step["accumulation"]  # 32, TRL's per-device batch
-    o = [
-        "algorithm.adv_estimator=grpo",
-        "algorithm.use_kl_in_reward=False",
-        f"data.train_files={train}",
-        f"data.val_files={val}",
-        f"data.train_batch_size={step['prompts']}",
-        f"data.max_prompt_length={args.max_prompt_length}",
-        f"data.max_response_length={step['new_tokens']}",
-        f"actor_rollout_ref.model.path={model}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        f"actor_rollout_ref.model.use_remove_padding={not args.no_remove_padding}",
-        f"actor_rollout_ref.model.enable_gradient_checkpointing={not args.no_grad_ckpt}",
-        f"actor_rollout_ref.actor.optim.lr={step['lr']}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={step['prompts']}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-        "actor_rollout_ref.actor.ppo_epochs=1",
-        "actor_rollout_ref.actor.use_kl_loss=False",
-        "actor_rollout_ref.actor.kl_loss_coef=0.0",
-        "actor_rollout_ref.actor.entropy_coeff=0",
-        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-        "actor_rollout_ref.rollout.name=vllm",
-        f"actor_rollout_ref.rollout.n={step['group']}",
-        f"actor_rollout_ref.rollout.temperature={step['temperature']}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.vllm_memory}",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.rollout.ignore_eos={not args.keep_eos}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
-        f"reward.custom_reward_function.path={REWARD_FILE}",
-        "reward.custom_reward_function.name=compute_score",
-        "trainer.logger=[console,file]",
-        "trainer.project_name=trellis_bench",
-        f"trainer.experiment_name=verl_peer_{round_}",
-        "trainer.nnodes=1",
-        "trainer.n_gpus_per_node=1",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        "trainer.resume_mode=disable",
-        f"trainer.default_local_dir={WORK / 'verl_checkpoints'}",
-        f"trainer.total_training_steps={args.steps}",
-        "+ray_kwargs.ray_init.include_dashboard=False",
-        "+ray_kwargs.ray_init.address=local",  # a cluster of its own, inheriting this environment, never one left running
-        f"hydra.run.dir={WORK / f'verl_hydra_{round_}'}",
-    ]
-    return o + list(args.set)
-
-
-def verl_env(args: argparse.Namespace, metrics: Path) -> dict[str, str]:
-    """The environment of verl's driver; its local Ray cluster, and so every worker, the vLLM server and
-    its engine processes, inherit it (ray.init starts the cluster from this process)."""
-    env = dict(os.environ)
-    site = os.environ.get("TRELLIS_VLLM_SITE")
-    paths = [str(REPO), *([site] if site else []), env.get("PYTHONPATH", "")]
-    env.update({
-        "PYTHONPATH": ":".join(p for p in paths if p),
-        "VERL_FILE_LOGGER_PATH": str(metrics),
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-        "WANDB_MODE": "disabled", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "VLLM_USE_FLASHINFER_SAMPLER": env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),  # flashinfer is not carried
-        "OMP_NUM_THREADS": str(args.torch_threads),  # Ray keeps a set value: trl_peer's torch threads
-        "RAY_DEDUP_LOGS": "0",
-        "PYTHONUNBUFFERED": "1",
-    })
-    return env
 
 
 def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, val: Path) -> dict:
@@ -240,21 +143,6 @@ def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, va
     if error:
         result["note"] = error  # the measured steps still count; the log says what broke after them
     return result
-
-
-def verl_defaults_kept(hydra_config: Path) -> dict:
-    """verl-only facts that shape its step, outside the settings table the sides share."""
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.load(hydra_config)
-    return {
-        "vLLM sleeps after each rollout (rollout.free_cache_engine)": saved.actor_rollout_ref.rollout.free_cache_engine,
-        "packed sequences (model.use_remove_padding)": saved.actor_rollout_ref.model.use_remove_padding,
-        "dynamic batch size (actor.use_dynamic_bsz)": saved.actor_rollout_ref.actor.use_dynamic_bsz,
-        "attention": saved.actor_rollout_ref.model.override_config.get("attn_implementation", "flash_attention_2"),
-        "samples run to max new tokens (rollout.ignore_eos)": saved.actor_rollout_ref.rollout.ignore_eos,
-        "trainer (trainer.use_v1, v1.trainer_mode)": f"{saved.trainer.use_v1}, {saved.trainer.v1.trainer_mode}",
-    }
 
 
 def end_session(child: subprocess.Popen) -> None:
@@ -315,119 +203,11 @@ def wait_for_free_gpu(limit_s: float = 60.0) -> None:
         time.sleep(1)
 
 
-CONSOLE_STEP = re.compile(r"step:(\d+) - (.*)")
-NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
-NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf")
-
-
-def read_steps(metrics: Path, log: Path) -> list[dict]:
-    """Each logged step's figures, from verl's file logger (one JSON line per step); from its console
-    lines (``step:N - key:value - ...``) where the JSONL is missing."""
-    raw: dict[int, dict] = {}
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                raw[int(record["step"])] = record["data"]
-    elif log.exists():
-        for match in CONSOLE_STEP.finditer(log.read_text(errors="replace")):
-            values = {}
-            for part in match.group(2).split(" - "):
-                key, _, value = part.rpartition(":")
-                number = NUMBER.fullmatch(NUMPY_SCALAR.sub(r"\1", value.strip()))  # numpy 2 prints np.float64(1.5)
-                if key and number:
-                    values[key.strip()] = float(number.group(0))
-            raw[int(match.group(1))] = values
-    steps = []
-    for number, data in sorted(raw.items()):
-        if "timing_s/step" not in data or "response_length/mean" not in data:
-            continue
-        per_sample = data.get("prompt_length/mean", 0.0) + data["response_length/mean"]
-        samples = round(data["perf/total_num_tokens"] / per_sample) if data.get("perf/total_num_tokens") and per_sample else None
-        expected = GPU["prompts"] * GPU["group"]
-        steps.append({"step": number, "timing_s/step": data["timing_s/step"], "response_length/mean": data["response_length/mean"],
-                      "samples": samples if samples else expected, "samples_from_total_tokens": samples,
-                      **{k: v for k, v in data.items() if k.startswith("timing_s/") or k in PICKED}})
-    return steps
-
-
-PICKED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/max", "response_length/clip_ratio",
-          "perf/total_num_tokens", "perf/throughput", "perf/max_memory_allocated_gb", "prompt_length/mean")
-
-
-def phase_medians(steps: list[dict]) -> dict[str, float]:
-    keys = sorted({k for s in steps for k in s if k.startswith("timing_s/")})
-    return {k.removeprefix("timing_s/"): statistics.median(s[k] for s in steps if k in s) for k in keys}
-
-
-def verl_settings(args: argparse.Namespace, hydra_config: Path, model: Path, train: Path) -> dict:
-    """The settings verl ran with, read back from the config its Hydra run saved (trl_peer.py's rows)."""
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.load(hydra_config)
-    arr, actor, rollout = c.actor_rollout_ref, c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
-    fsdp = actor.fsdp_config
-    kl = actor.kl_loss_coef if actor.use_kl_loss else 0.0
-    if c.algorithm.use_kl_in_reward:
-        kl = c.algorithm.kl_ctrl.kl_coef
-    return {
-        "model (weights digest)": f"{Path(arr.model.path).name} ({weights_digest(Path(arr.model.path))})",
-        "prompts file digest": files_digest([WORK / "train.parquet"]),  # verl_train.parquet is written from it, row for row
-        "prompts x samples per step": f"{c.data.train_batch_size} x {rollout.n}",
-        "max new tokens": c.data.max_response_length,
-        "rollout engine": rollout.name,
-        "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization,
-        "temperature": rollout.temperature,
-        "learning rate": actor.optim.lr,
-        "KL coefficient": float(kl),
-        "optimizer steps per batch": actor.ppo_epochs * (c.data.train_batch_size // actor.ppo_mini_batch_size),
-        "trainer resident (no offload)": not (fsdp.param_offload or fsdp.optimizer_offload),
-        "torch threads (CPU ops)": args.torch_threads,
-        "activation checkpointing": arr.model.enable_gradient_checkpointing,
-        "weights / compute dtype": f"{'float32' if fsdp.model_dtype in ('fp32', 'float32') else fsdp.model_dtype} / "
-                                   f"{'bfloat16' if fsdp.dtype in ('bf16', 'bfloat16') else fsdp.dtype}",
-        "compiled": actor.use_torch_compile,
-        "tokens counted": TOKENS_COUNTED,
-        "tokens counted from": "step metrics: response_length/mean x samples",
-    }
-
-
 def trellis_side(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
     from trl_peer import trellis_contestant
 
     args.smoke = False
     return trellis_contestant(args, round_, compiled=compiled)
-
-
-def dry_run(args: argparse.Namespace, model: Path, train: Path, val: Path) -> None:
-    """On a CPU: compose verl's config with the overrides (every key must exist), check it as verl's
-    main does, load the dataset with verl's own class and score a response with the reward file."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-
-    plain = [o for o in overrides(args, model, train, val, 1) if not o.startswith("hydra.")]
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=plain)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    OmegaConf.resolve(config)
-    (args.out / "verl_dry_run_config.yaml").write_text(OmegaConf.to_yaml(config))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    dataset = RLHFDataset(data_files=[str(train)], tokenizer=tokenizer, config=config.data)
-    row = dataset[0]
-    sys.path.insert(0, str(REWARD_FILE.parent))
-    from verl_reward import compute_score
-
-    answer = row["reward_model"]["ground_truth"]
-    print(f"dataset: {len(dataset)} rows; row 0: {row['raw_prompt']} -> {answer!r}, data_source {row['data_source']}")
-    print(f"reward: right {compute_score(row['data_source'], f' {answer}', answer)}, wrong {compute_score(row['data_source'], 'X', answer)}")
-    print(f"need reference policy: {need_reference_policy(config)}, critic: {need_critic(config)}")
-    print("overrides:\n  " + "\n  ".join(overrides(args, model, train, val, 1)))
 
 
 def main() -> None:
