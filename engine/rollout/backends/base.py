@@ -77,6 +77,29 @@ class RolloutBackend(Protocol):
         ...
 
 
+class StreamingBackend:
+    """What the backends share: the policy version they serve (``load_weights`` sets it) and ``generate``
+    as their ``stream`` put in prompt order. Aborting is a capability of its own (the registry's
+    ``supports_abort``): a backend that has it writes ``abort`` and ``resume_generation``."""
+
+    def __init__(self) -> None:
+        self._policy_version = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> list[Generation]:
+        return in_order(self.stream(prompts, params, limits), len(prompts))
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
+    ) -> Iterator[tuple[int, Generation]]:
+        raise NotImplementedError
+
+
 def in_order(stream: Iterable[tuple[int, Generation]], count: int) -> list[Generation]:
     """The generations of a ``stream`` over ``count`` prompts, in prompt order."""
     generations: list[Generation | None] = [None] * count

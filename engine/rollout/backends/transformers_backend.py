@@ -17,14 +17,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizer
 from trellis.engine.data.token_rows import left_pad, unique_rows
 from trellis.engine.moe.routers import find_routers
 from trellis.engine.moe.routing import RouterHooks
-from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
 
-class TransformersRollout:
+class TransformersRollout(StreamingBackend):
     """A rollout backend over a local HF model (CPU, or one GPU for small checks)."""
 
     def __init__(
@@ -39,25 +39,16 @@ class TransformersRollout:
     ) -> None:
         """``capture_routing``: hand back the experts an MoE policy routed each response token through
         (``Generation.routed_experts``); a dense model has none to hand back."""
+        super().__init__()
+        self._abort = threading.Event()
         self._tokenizer = tokenizer
         self._device = torch.device(device)
         self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self._device).eval()
         self._model.requires_grad_(False)
         self._routing = RouterHooks(self._model) if capture_routing and find_routers(self._model) else None
-        self._policy_version = 0
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._eos_ids = tuple(sorted(_eos_ids(tokenizer, self._model)))
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self._eos_ids[0]
-        self._abort = threading.Event()
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
-    ) -> list[Generation]:
-        return in_order(self.stream(prompts, params, limits), len(prompts))
 
     @torch.inference_mode()
     def stream(

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, in_order
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend
 
 # Set before vLLM is imported: one process, so weight hand-over needs no IPC.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -26,7 +26,7 @@ _BUCKET_BYTES = 512 << 20
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class VllmRollout:
+class VllmRollout(StreamingBackend):
     def __init__(
         self,
         model_path: str,
@@ -43,13 +43,13 @@ class VllmRollout:
         (``enable_return_routed_experts``) and hand them back per response token. Untested on a GPU so far."""
         from vllm import LLM
 
+        super().__init__()
+        self._abort = threading.Event()
         self._tokenizer = tokenizer
         self._sleep_level = sleep_level
         self._asleep = False
-        self._abort = threading.Event()
         self._calls = 0
         self._weights_awake = True
-        self._policy_version = 0
         self._seed = seed
         self._capture_routing = capture_routing
         routing = {"enable_return_routed_experts": True} if capture_routing else {}
@@ -65,15 +65,6 @@ class VllmRollout:
             logprobs_mode="processed_logprobs",
             **routing,
         )
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
-    ) -> list[Generation]:
-        return in_order(self.stream(prompts, params, limits), len(prompts))
 
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
