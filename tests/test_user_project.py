@@ -143,6 +143,41 @@ def test_a_project_with_its_own_tasks_engine_and_flows_packages_trains_on_a_live
     assert lake_rewards(tmp_path, "same_names") == {1: [0.375] * 16, 2: [0.375] * 16}
 
 
+def test_a_users_moe_policy_trains_asynchronously_with_routing_replay_on_a_live_cluster(tmp_path, reverse_data, live_cluster):
+    """A user's own mixture-of-experts checkpoint (Qwen3-MoE, 8 experts, top-2), launched with `trellis
+    train` from the user's folder on the live cluster, on the disaggregated trainer with partial rollout:
+    every trained response token is replayed through the experts its rollout chose, none falls back, and
+    the lake keeps each trained sample's routing."""
+    from trellis.engine.tiny.model import build_tokenizer
+    from trellis.engine.tiny.moe import build_moe_model
+
+    tokenizer = build_tokenizer()
+    build_moe_model(tokenizer).save_pretrained(tmp_path / "my-moe")
+    tokenizer.save_pretrained(tmp_path / "my-moe")
+    config = {
+        "load_from": "my-moe", "train_dataset": {"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        "work_dir": "runs", "experiment_name": "moe", "train_batch_size": 4, "prompt_repeat_k": 4, "total_train_steps": 3,
+        "trainer": "disaggregated", "replay_buffer": {"kind": "async", "max_staleness": 1, "enable_partial_rollout": True},
+        "rollout": {"max_new_tokens": 8}, "reward": {"function": "trellis.engine.tiny.reverse_task:score"},
+        "train_worker": {"routing_replay": "r3"}, "cluster": {"home": str(live_cluster["home"])},
+    }
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
+    trained = run("train", "my.yaml", cwd=tmp_path, env=live_cluster["env"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "moe" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["router/replayed_tokens"] > 0 and m["router/fallback_sequences"] == 0 and m["router/sequences"] == 16, m
+    table = ds.dataset(tmp_path / "runs" / "moe" / "trajectories" / "split=train", partitioning="hive").to_table()
+    rows = table.select(["response_ids", "routed_experts", "routed_experts_shape"]).to_pylist()
+    assert len(rows) == 48
+    for row in rows:  # [response tokens, 4 layers, top-2] as uint8
+        assert row["routed_experts_shape"] == [len(row["response_ids"]), 4, 2]
+        assert len(row["routed_experts"]) == len(row["response_ids"]) * 8
+
+
 def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(project, live_cluster):
     """The run learns on held-out prompts: the exact chance that a sample at the run's temperature is
     the answer rises by more than 0.02, and greedy accuracy rises. Over seeds 1-7 that chance rose by
