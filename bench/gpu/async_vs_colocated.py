@@ -30,6 +30,11 @@ length, so both train the same lengths.
     python bench/gpu/async_vs_colocated.py OUT_DIR [--mode both|colocated|disaggregated] [--rounds 2]
         [--steps 6] [--warmup 2] [--prompts 32] [--share-one-gpu] [--workers N] [--shape 0.5b|1.5b] [--smoke]
 
+Four runs of the long-tail workload take ~20 minutes, more than one 600 s device call: run one mode per
+call (``--mode colocated --rounds 1 --round 1``, then disaggregated round 1, disaggregated round 2,
+colocated round 2, into folders of their own), then ``--combine FOLDER...`` reports over them as if
+they were one alternated call (settings checked equal, ratios paired by round).
+
 Scaling over GPUs: ``--mode colocated --workers 2`` against ``--workers 1`` (``--sigma 0``).
 
 ``--smoke``: the same code on CPU (tiny model, transformers backend, short caps, small batch).
@@ -262,6 +267,7 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "trained_response_tokens_per_s": response_tokens / wall,
         "trained_tokens_per_s_per_gpu": tokens / wall / held_gpus if held_gpus else None,
         "e2e_effective_tgs_whole_run": last["throughput/e2e_effective_tgs"],
+        "started_at": started,
         "run_wall_s": time.time() - started,
         "timings_median_s": timings,
         "weight_sync_s_median": timings.get("time/sync_weights", 0.0),
@@ -314,11 +320,10 @@ def run_one(args: argparse.Namespace) -> None:
 
 
 def compare(args: argparse.Namespace) -> dict:
-    """Every mode ``--rounds`` times, alternated, each run in a child process; then the settings side by
-    side (checked equal) and every figure's median with its spread."""
+    """Every mode ``--rounds`` times, alternated, each run in a child process; then the report."""
     modes = MODES if args.mode == "both" else (args.mode,)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    order = alternated(modes, args.rounds)
+    order = [(round_ + args.round - 1, mode) for round_, mode in alternated(modes, args.rounds)]
     print("order:", " ".join(f"{mode}[{round_}]" for round_, mode in order), flush=True)
     for round_, mode in order:
         result = args.out / f"run_{mode}_{round_}.json"
@@ -330,21 +335,46 @@ def compare(args: argparse.Namespace) -> dict:
         r = runs[mode][-1]
         print(f"round {round_} {mode:13s} trained tokens/s {r['trained_tokens_per_s']:,.0f}  step median {r['step_s_median']:.2f} s  "
               f"trained response len {r['response_len_mean']:.1f}  trained tokens {r['trained_tokens']:,.0f}", flush=True)
+    return report(runs, [f"{mode}[{round_}]" for round_, mode in order])
 
+
+def combine(folders: list[Path]) -> dict:
+    """The report over runs made in separate calls (``--mode M --rounds 1 --round K`` each, since one
+    device call cannot hold four runs): every ``run_<mode>_<round>.json`` under ``folders``, in the order
+    they started."""
+    found = []
+    for path in (p for folder in folders for p in folder.glob("run_*_*.json")):
+        mode, round_ = path.stem.removeprefix("run_").rsplit("_", 1)
+        if mode in MODES:
+            run = json.loads(path.read_text())
+            found.append((run.get("started_at", path.stat().st_mtime), mode, int(round_), run))
+    found.sort(key=lambda item: item[0])
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES if any(m == mode for _, m, _, _ in found)}
+    for _, mode, _, run in found:
+        runs[mode].append(run)
+    return report(runs, [f"{mode}[{round_}]" for _, mode, round_, _ in found])
+
+
+def report(runs: dict[str, list[dict]], order: list[str]) -> dict:
+    """The settings side by side (checked equal) and every figure's median with its spread; with both
+    modes, their ratio round by round."""
+    modes = list(runs)
     columns = {f"{mode}[{r['round']}]": r["settings"] for mode in modes for r in runs[mode]}
     table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN)
     print("\nsettings, as each run's own config and metrics say:\n" + table)
     figures = {mode: {k: [r[k] for r in runs[mode] if r.get(k) is not None] for k in FIGURES} for mode in modes}
     print("\nfigures (tokens/s = trained tokens, prompt + response of every trained sample, over the wall time of the "
           "measured steps: normalised by trained tokens, as the trained lengths differ):\n" + figures_table(figures, FIGURES))
-    summary = {"order": [f"{mode}[{round_}]" for round_, mode in order], "unequal_settings": unequal, "runs": runs,
+    summary = {"order": order, "unequal_settings": unequal, "runs": runs,
                "figures": {mode: {k: spread(v) for k, v in f.items() if v} for mode, f in figures.items()}}
     if len(modes) == 2:
-        ratios = [d["trained_tokens_per_s"] / c["trained_tokens_per_s"] for c, d in zip(runs["colocated"], runs["disaggregated"])]
-        summary["disaggregated_vs_colocated_trained_tokens_per_s"] = spread(ratios)
-        s = spread(ratios)
-        print(f"\ndisaggregated / colocated, trained tokens/s, round by round: median {s['median']:.2f}x "
-              f"({s['min']:.2f}x .. {s['max']:.2f}x, n={s['n']})")
+        by_round = {mode: {r["round"]: r for r in runs[mode]} for mode in modes}
+        paired = sorted(set(by_round["colocated"]) & set(by_round["disaggregated"]))
+        ratios = [by_round["disaggregated"][k]["trained_tokens_per_s"] / by_round["colocated"][k]["trained_tokens_per_s"] for k in paired]
+        if ratios:
+            s = summary["disaggregated_vs_colocated_trained_tokens_per_s"] = spread(ratios)
+            print(f"\ndisaggregated / colocated, trained tokens/s, round by round: median {s['median']:.2f}x "
+                  f"({s['min']:.2f}x .. {s['max']:.2f}x, n={s['n']})")
     if unequal:
         print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the runs.")
     return summary
@@ -368,7 +398,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")
     parser.add_argument("--rollout-workers", type=int, default=1, help="disaggregated: vLLM engines sharing the rollout GPU(s)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=1, help="the first round's number (a single-mode run made for --combine)")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="RUN_FOLDER",
+                        help="no run: the report over the run_<mode>_<round>.json files of earlier calls, in the order they started")
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -377,11 +409,16 @@ def main() -> None:
     if args.steps <= args.warmup:
         parser.error("--steps must be more than --warmup")
     if args.rounds < (2 if args.mode == "both" else 1):
-        parser.error("--rounds: a comparison needs at least two rounds of each mode, alternated")
+        parser.error("--rounds: a comparison needs at least two rounds of each mode, alternated (or single-mode runs "
+                     "in separate calls, then --combine)")
     if args.child:
         run_one(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        summary = combine(args.combine)
+        (args.out / "async_vs_colocated_combined.json").write_text(json.dumps(summary, indent=1))
+        exit_now(1 if summary["unequal_settings"] else 0)
     summary = compare(args)
     suffix = ("_one_gpu" if args.share_one_gpu else "") + (f"_{args.workers}_workers" if args.workers > 1 else "")
     suffix += f"_{args.rollout_workers}_engines" if args.rollout_workers > 1 else ""
