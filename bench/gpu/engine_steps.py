@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -99,6 +100,16 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
     parser.add_argument("--return-routed-experts", action="store_true", help="MoE: rollout.return_routed_experts (router agreement)")
+
+
+def vllm_child_env() -> dict[str, str]:
+    """This process's environment with vLLM's site (``$TRELLIS_VLLM_SITE``, which the GPU pack's unpack.sh
+    exports) first on PYTHONPATH, for a child process that runs vLLM; the parent keeps its own path, since
+    vLLM's fastapi pin conflicts with Prefect's."""
+    env = dict(os.environ)
+    if os.environ.get("TRELLIS_VLLM_SITE"):
+        env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
+    return env
 
 
 def step_argv(args: argparse.Namespace) -> list[str]:

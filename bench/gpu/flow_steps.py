@@ -44,7 +44,7 @@ use_lean_temporary_server()  # before Prefect is imported (below), which reads i
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config  # noqa: E402
+from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config, vllm_child_env  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from _compare import spread, with_spread  # noqa: E402
@@ -66,11 +66,8 @@ def in_process_steps(args: argparse.Namespace) -> dict:
     same_steps = argparse.Namespace(**{**vars(args), "steps": WARMUP_STEPS + args.steps})
     command = [sys.executable, str(Path(__file__).with_name("engine_steps.py")), *step_argv(same_steps), "--track",
                "--warmup", str(WARMUP_STEPS)]
-    env = dict(os.environ)
-    if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in that process; this one keeps Prefect's fastapi
-        env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
     with open(args.out / "engine_steps.log", "a") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=vllm_child_env())
     return json.loads(result_path(args).read_text())
 
 

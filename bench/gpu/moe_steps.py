@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_steps import result_path  # noqa: E402
+from engine_steps import result_path, step_argv, vllm_child_env  # noqa: E402
 
 from trellis.engine.tiny.model import build_tokenizer  # noqa: E402
 
@@ -49,9 +48,9 @@ TINY_MOE_SHAPE = dict(  # --cpu-check
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
 )
 SIDES = {
-    "dense": [],
-    "moe-none": ["--return-routed-experts"],
-    "moe-r3": ["--routing-replay", "r3"],
+    "dense": {"routing_replay": "none", "return_routed_experts": False},
+    "moe-none": {"routing_replay": "none", "return_routed_experts": True},
+    "moe-r3": {"routing_replay": "r3", "return_routed_experts": False},
 }
 FIGURES = ("time/step", "throughput/rollout_tgs", "throughput/training_tgs", "router/agreement", "mismatch/k3_kl",
            "memory/train_peak_gib")
@@ -88,22 +87,17 @@ def active_and_total(config: dict) -> tuple[float, float]:
 
 
 def run_side(side: str, out: Path, args: argparse.Namespace, moe_dir: Path) -> dict:
-    command = [sys.executable, str(HERE / "engine_steps.py"), str(out), "--steps", str(args.steps), "--warmup", "1",
-               "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-               *SIDES[side]]
-    if args.cpu_check:
-        command += ["--backend", "transformers", "--model", str(moe_dir if side != "dense" else args.dense_model)]
-    else:
-        command += ["--backend", "vllm", "--resident-trainer", "--vllm-memory", str(args.vllm_memory)]
-        command += ["--model", str(moe_dir)] if side != "dense" else []
-    env = dict(os.environ)
-    if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in the child; this process keeps its own path
-        env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
+    side_args = argparse.Namespace(
+        out=out, steps=args.steps, prompts=args.prompts, group=args.group, new_tokens=args.new_tokens,
+        backend="transformers" if args.cpu_check else "vllm", vllm_memory=args.vllm_memory, lr=None,
+        model=moe_dir if side != "dense" else args.dense_model, torch_threads=None, routing_replay=SIDES[side]["routing_replay"],
+        return_routed_experts=SIDES[side]["return_routed_experts"], resident_trainer=not args.cpu_check, compile=False,
+    )
+    command = [sys.executable, str(HERE / "engine_steps.py"), *step_argv(side_args), "--warmup", "1"]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "run.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.side_timeout)
-    backend = "transformers" if args.cpu_check else "vllm"
-    summary = json.loads(result_path(argparse.Namespace(out=out, backend=backend, resident_trainer=not args.cpu_check)).read_text())
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=vllm_child_env(), timeout=args.side_timeout)
+    summary = json.loads(result_path(side_args).read_text())
     measured = summary["steps"][1:]
     figures = {name: [step[name] for step in measured if name in step] for name in FIGURES}
     return {"figures": figures, "wall_steps_s": summary["wall_steps_s"], "response_len_mean": summary["response_len_mean"],

@@ -107,9 +107,9 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
     out = args.out / f"trl_{round_}.json"
-    env = dict(os.environ)
-    if os.environ.get("TRELLIS_VLLM_SITE"):  # vLLM runs in TRL's own process
-        env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
+    from engine_steps import vllm_child_env
+
+    env = vllm_child_env()  # vLLM runs in TRL's own process
     command = [sys.executable, str(Path(__file__)), str(args.out), "--trl-child", str(out), "--steps", str(args.steps),
                "--vllm-memory", str(args.vllm_memory), "--torch-threads", str(args.torch_threads)] + (["--smoke"] if args.smoke else [])
     peak_gib = run_child(command, args.out / f"trl_{round_}.log", env)
