@@ -181,6 +181,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    import os
-
     os._exit(0)  # vLLM's engine threads would hold the process open
