@@ -142,13 +142,26 @@ def stop_head(config: ClusterConfig) -> bool:
         return False
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _exited(pid):
             return True
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
     return True
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is gone. A head this process started stays a zombie after it exits, which
+    signal 0 still finds, until it is waited for: reap it here."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:  # started by another process (`trellis cluster up`)
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def resolve_address(config: ClusterConfig, *, start_if_missing: bool = True) -> str:
