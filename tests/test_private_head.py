@@ -54,8 +54,11 @@ def test_a_client_without_the_token_or_with_a_wrong_one_is_refused(private_head,
     cluster, address = private_head
     assert recorded_address(cluster) == address
 
-    without = client(address, tmp_path)
-    wrong = client(address, tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    # A refused client retries its connection once a second, 20 times by default, before it gives up
+    # with the authentication error; 2 tries give the same error.
+    once = {"RAY_NUM_REDIS_GET_RETRIES": "2"}
+    without = client(address, tmp_path, **once)
+    wrong = client(address, tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, **once)
     for refused in (without, wrong):
         assert refused.returncode != 0 and CONNECTED not in refused.stdout, refused.stdout
         assert "InvalidAuthToken: Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-2000:]
