@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -93,7 +94,7 @@ class VllmRollout(StreamingBackend):
             limit = params.max_new_tokens if limits is None else limits[i]
             sampling = self._sampling(params, i, limit)
             internal_ids[request_id] = engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, sampling)
-        partial: dict[str, tuple[list[int], list[float]]] = {}
+        partial: dict[str, tuple[list[int], list[float], object]] = {}
         try:
             while index_of and engine.has_unfinished_requests():
                 if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
@@ -109,7 +110,8 @@ class VllmRollout(StreamingBackend):
             partial = {request_id: _partial(engine, internal_ids[request_id]) for request_id in index_of}
             engine.abort_request(list(index_of))
         for request_id, index in index_of.items():
-            yield index, self._generation(*partial[request_id], "abort")
+            ids, logprobs, routed = partial[request_id]
+            yield index, self._generation(ids, logprobs, "abort", self._response_routing(routed, len(prompts[index]), len(ids)))
 
     def _generation(self, ids: list[int], logprobs: list[float], reason: FinishReason, routed: torch.Tensor | None = None) -> Generation:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -184,16 +186,20 @@ def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     return [entry[token].logprob for token, entry in zip(token_ids, logprobs or [])]
 
 
-def _partial(engine, internal_id: str) -> tuple[list[int], list[float]]:
-    """An unfinished request's tokens and their logprobs so far, from the output processor's state
-    of it (accumulated every step, whatever the output kind; read in vLLM 0.20, 0.26 and 0.34, where
-    an in-process ``abort_request`` returns no output)."""
+def _partial(engine, internal_id: str) -> tuple[list[int], list[float], object]:
+    """An unfinished request's tokens, their logprobs and its routed experts so far, from the output
+    processor's state of it (accumulated every step, whatever the output kind; read in vLLM 0.20, 0.26
+    and 0.34, where an in-process ``abort_request`` returns no output). The routing (vLLM 0.26's
+    ``routed_experts_chunks``, one chunk per engine step, as a finished request's output joins them) is
+    None where this vLLM keeps none: that response then trains with computed routing."""
     state = engine.output_processor.request_states.get(internal_id)
     if state is None:
-        return [], []
+        return [], [], None
     ids = list(state.detokenizer.output_token_ids)
     logprobs = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
-    return ids, _sampled_logprobs(ids, logprobs)
+    chunks = getattr(state, "routed_experts_chunks", None)
+    routed = np.concatenate([np.asarray(chunk) for chunk in chunks], axis=0) if chunks else None
+    return ids, _sampled_logprobs(ids, logprobs), routed
 
 
 def _buckets(state_dict: Mapping[str, torch.Tensor], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
