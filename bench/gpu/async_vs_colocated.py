@@ -65,7 +65,8 @@ from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E4
 
 use_lean_temporary_server()  # before Prefect is imported: each run starts its temporary server as the CLI does
 
-from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
+from _compare import alternated  # noqa: E402
+from async_report import MODES, combine, report  # noqa: E402
 from engine_steps import random_qwen2_05b  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: E402
@@ -75,8 +76,6 @@ from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
 from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
-
-MODES = ("colocated", "disaggregated")
 
 
 def long_tail_caps(count: int, *, mean: float, cap: int, sigma: float, seed: int) -> list[int]:
@@ -226,13 +225,6 @@ def run_settings(config, records: dict[int, dict], args: argparse.Namespace, hel
     }
 
 
-DIFFER_BY_DESIGN = {
-    "trainer": "the two trainers compared",
-    "GPUs held": "each mode holds what it needs",
-    "vLLM gpu_memory_utilization": "a colocated engine shares its GPU with the trainer",
-}
-
-
 def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, args: argparse.Namespace) -> dict:
     steady = [records[s] for s in sorted(records) if s > args.warmup]
     window_start, window_end = gpus.reached(args.warmup), gpus.reached(max(records))
@@ -283,23 +275,6 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
     }
 
 
-FIGURES = {  # printed for every mode, median over the rounds with the spread beside it
-    "trained_tokens_per_s": ",.0f",
-    "trained_tokens_per_s_per_gpu": ",.0f",
-    "trained_response_tokens_per_s": ",.0f",
-    "trained_tokens": ",.0f",
-    "trained_response_tokens": ",.0f",
-    "response_len_mean": ",.1f",
-    "response_len_max": ",.0f",
-    "step_s_median": ".2f",
-    "measured_wall_s": ".1f",
-    "weight_sync_s_median": ".3f",
-    "producer_paused_s_median": ".3f",
-    "gpu_idle_fraction_mean": ".2f",
-    "mismatch_k3_median": ".2e",
-}
-
-
 def run_one(args: argparse.Namespace) -> None:
     """One run of one mode, in this (child) process; its summary goes to ``args.result``."""
     args.mode = args.child
@@ -336,48 +311,6 @@ def compare(args: argparse.Namespace) -> dict:
         print(f"round {round_} {mode:13s} trained tokens/s {r['trained_tokens_per_s']:,.0f}  step median {r['step_s_median']:.2f} s  "
               f"trained response len {r['response_len_mean']:.1f}  trained tokens {r['trained_tokens']:,.0f}", flush=True)
     return report(runs, [f"{mode}[{round_}]" for round_, mode in order])
-
-
-def combine(folders: list[Path]) -> dict:
-    """The report over runs made in separate calls (``--mode M --rounds 1 --round K`` each, since one
-    device call cannot hold four runs): every ``run_<mode>_<round>.json`` under ``folders``, in the order
-    they started."""
-    found = []
-    for path in (p for folder in folders for p in folder.glob("run_*_*.json")):
-        mode, round_ = path.stem.removeprefix("run_").rsplit("_", 1)
-        if mode in MODES:
-            run = json.loads(path.read_text())
-            found.append((run.get("started_at", path.stat().st_mtime), mode, int(round_), run))
-    found.sort(key=lambda item: item[0])
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES if any(m == mode for _, m, _, _ in found)}
-    for _, mode, _, run in found:
-        runs[mode].append(run)
-    return report(runs, [f"{mode}[{round_}]" for _, mode, round_, _ in found])
-
-
-def report(runs: dict[str, list[dict]], order: list[str]) -> dict:
-    """The settings side by side (checked equal) and every figure's median with its spread; with both
-    modes, their ratio round by round."""
-    modes = list(runs)
-    columns = {f"{mode}[{r['round']}]": r["settings"] for mode in modes for r in runs[mode]}
-    table, unequal = settings_table(columns, differ_by_design=DIFFER_BY_DESIGN)
-    print("\nsettings, as each run's own config and metrics say:\n" + table)
-    figures = {mode: {k: [r[k] for r in runs[mode] if r.get(k) is not None] for k in FIGURES} for mode in modes}
-    print("\nfigures (tokens/s = trained tokens, prompt + response of every trained sample, over the wall time of the "
-          "measured steps: normalised by trained tokens, as the trained lengths differ):\n" + figures_table(figures, FIGURES))
-    summary = {"order": order, "unequal_settings": unequal, "runs": runs,
-               "figures": {mode: {k: spread(v) for k, v in f.items() if v} for mode, f in figures.items()}}
-    if len(modes) == 2:
-        by_round = {mode: {r["round"]: r for r in runs[mode]} for mode in modes}
-        paired = sorted(set(by_round["colocated"]) & set(by_round["disaggregated"]))
-        ratios = [by_round["disaggregated"][k]["trained_tokens_per_s"] / by_round["colocated"][k]["trained_tokens_per_s"] for k in paired]
-        if ratios:
-            s = summary["disaggregated_vs_colocated_trained_tokens_per_s"] = spread(ratios)
-            print(f"\ndisaggregated / colocated, trained tokens/s, round by round: median {s['median']:.2f}x "
-                  f"({s['min']:.2f}x .. {s['max']:.2f}x, n={s['n']})")
-    if unequal:
-        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the runs.")
-    return summary
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ class VllmRollout(StreamingBackend):
             limit = params.max_new_tokens if limits is None else limits[i]
             sampling = self._sampling(params, i, limit)
             internal_ids[request_id] = engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, sampling)
-        partial: dict[str, tuple[list[int], list[float], object]] = {}
+        partial: dict[str, tuple[list[int], list[float], np.ndarray | None]] = {}
         try:
             while index_of and engine.has_unfinished_requests():
                 if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
@@ -186,7 +186,7 @@ def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     return [entry[token].logprob for token, entry in zip(token_ids, logprobs or [])]
 
 
-def _partial(engine, internal_id: str) -> tuple[list[int], list[float], object]:
+def _partial(engine, internal_id: str) -> tuple[list[int], list[float], np.ndarray | None]:
     """An unfinished request's tokens, their logprobs and its routed experts so far, from the output
     processor's state of it (accumulated every step, whatever the output kind; read in vLLM 0.20, 0.26
     and 0.34, where an in-process ``abort_request`` returns no output). The routing (vLLM 0.26's
