@@ -37,6 +37,22 @@ def tiny_config(tiny_model, reverse_data, work_dir, **changes):
     return load_config("configs/tiny_reverse.yaml", **{**base, **changes})
 
 
+def sampled_groups(model, config, prompts) -> list:
+    """``prompts`` x 8 samples from ``model`` with the transformers loop, scored by the config's reward."""
+    from transformers import AutoTokenizer
+
+    from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+    from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
+    from trellis.engine.rollout.rewards.runner import RewardRunner
+
+    with RewardRunner(config.reward) as rewards:
+        produced = rollout_groups(
+            [(0, prompt) for prompt in prompts], repeat=8, backend=TransformersRollout(str(model), AutoTokenizer.from_pretrained(model)),
+            rewards=rewards, params=sampling_params(config.rollout, seed=0), train_step=1, id_prefix="t-",
+        )
+    return produced.groups
+
+
 def logged_metrics(config) -> dict[int, dict[str, float]]:
     """metrics.jsonl by step, without wall-clock figures (time/*, throughput/*), which differ run to run."""
     with fsspec.open(f"{config.run_uri}/logs/metrics.jsonl", "r", **config.storage_options) as handle:

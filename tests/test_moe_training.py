@@ -159,6 +159,6 @@ def test_two_gloo_ranks_make_the_update_of_one_on_an_moe_batch(moe_model, revers
             assert torch.allclose(weights[name], tensor, atol=5e-5), name
         uri = Store(str(tmp_path / "sharded"))
         workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri) for rank in ranks])
-        assert TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id).load_checkpoint(uri) == 1
+        assert TrainingWorker(one_rank.config, total_train_steps=4, pad_token_id=pad_id).load_checkpoint(uri) == 1
     finally:
         workers.release()

@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import ray
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoTokenizer
 
 from trellis.engine.cluster.workers import RunWorkers
@@ -18,8 +19,6 @@ from trellis.engine.data.prepare import prepare_train_data
 from trellis.engine.data.prompts import load_prompts
 from trellis.engine.rollout.backends.base import SamplingParams
 from trellis.engine.rollout.backends.pool import RolloutPool, spread_by_load
-from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
-from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 from trellis.engine.storage.checkpoints import SaveStore
 from trellis.engine.storage.store import Store
@@ -27,7 +26,7 @@ from trellis.engine.train.packing import split_by_tokens
 from trellis.engine.train.sharded_checkpoint import is_sharded
 from trellis.engine.train.worker import TrainingWorker
 from trellis.flows.rl_train import rl_train
-from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, tiny_config
+from helpers import flow_runs, lake_rows, ledger_check, logged_metrics, sampled_groups, tiny_config
 
 COMPARED = ("pg_loss", "grad_norm", "entropy", "kl", "clipfrac", "mismatch/k3_kl")
 
@@ -38,12 +37,8 @@ def rollout_batch(tiny_model, reverse_data, tmp_path_factory):
     config = tiny_config(tiny_model, reverse_data, tmp_path_factory.mktemp("batch"))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompts, _ = load_prompts(config.train_dataset, tokenizer)
-    with RewardRunner(config.reward) as rewards:
-        produced = rollout_groups(
-            [(0, prompt) for prompt in prompts[:16]], repeat=8, backend=TransformersRollout(str(tiny_model), tokenizer),
-            rewards=rewards, params=sampling_params(config.rollout, seed=0), train_step=1, id_prefix="t-",
-        )
-    return prepare_train_data(produced.groups, config.advantage, shuffle=True, seed=0), tokenizer.pad_token_id
+    groups = sampled_groups(tiny_model, config, prompts[:16])
+    return prepare_train_data(groups, config.advantage, shuffle=True, seed=0), tokenizer.pad_token_id
 
 
 @pytest.mark.parametrize("world, shard_size", [(2, None), (4, 2)], ids=["fsdp-2", "hsdp-2x2"])
@@ -73,7 +68,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
             if step == 2:  # resume the one-rank worker from the ranks' checkpoint of step 1
                 uri = str(tmp_path / "ckpt")
                 workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), Store(uri)) for rank in ranks])
-                one_rank = TrainingWorker(one_rank._config, total_train_steps=4, pad_token_id=pad_id)
+                one_rank = TrainingWorker(one_rank.config, total_train_steps=4, pad_token_id=pad_id)
                 assert one_rank.load_checkpoint(Store(uri)) == 1
             sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
             single = one_rank.fit(batch, step)
@@ -243,3 +238,46 @@ def test_the_in_process_runner_refuses_several_workers_per_side(tiny_model, reve
     config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2})
     with pytest.raises(ValueError, match="without --in-process"):
         LocalRun(config)
+
+
+def test_lora_on_two_ranks_makes_the_update_of_one_and_syncs_the_adapters_alone(
+    tiny_model, reverse_data, tmp_path, ray_cluster, rollout_batch
+):
+    """LoRA on 2 gloo ranks (FSDP2 shards base and adapters, the base frozen) with a KL term: one rank's
+    loss, grad norm and merged weights; the checkpoint holds the adapters' shards alone and resumes in
+    one plain worker; a sync sends the adapters alone (transport "adapter"), and each rollout worker
+    then serves exactly the trainer's merged weights."""
+    batch, pad_id = rollout_batch
+    changes = dict(loss={"kl_coef": 0.1}, experiment_name="lora-ranks", lora={"rank": 8, "alpha": 16}, optim={"lr": 1e-2},
+                   cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 120})
+    config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2}, rollout_resources={"num_workers": 2}, **changes)
+    one_rank = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path, **changes), total_train_steps=4, pad_token_id=pad_id)
+    workers = RunWorkers(config)
+    workers.attach()
+    try:
+        ranks = workers.actors("trainer")
+        batch_ref = ray.put(batch)
+        for step in (1, 2):
+            sharded = workers.wait([rank.call.remote(TrainingWorker.fit, batch_ref, step) for rank in ranks])
+            single = one_rank.fit(batch, step)
+            for name in COMPARED:
+                assert sharded[0].metrics[name] == pytest.approx(single.metrics[name], rel=1e-5, abs=1e-5), (step, name)
+        weights = workers.wait([rank.export_weights.remote() for rank in ranks])[0]
+        for name, tensor in one_rank.export_weights().items():
+            assert torch.allclose(weights[name], tensor, atol=1e-5), name
+
+        uri = str(tmp_path / "ckpt")
+        workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), Store(uri)) for rank in ranks])
+        stored = FileSystemReader(f"{uri}/model").read_metadata().state_dict_metadata
+        assert stored and [name for name in stored if ".lora_" not in name] == []  # the base is load_from's, not saved again
+        restored = TrainingWorker(one_rank.config, total_train_steps=4, pad_token_id=pad_id)
+        assert restored.load_checkpoint(Store(uri)) == 2
+        saved = workers.wait([rank.export_adapter.remote() for rank in ranks])[0]
+        assert all(torch.equal(restored.export_adapter()[name], tensor) for name, tensor in saved.items())
+
+        assert workers.sync_weights(2) == "adapter"
+        for rollout in workers.actors("rollout"):
+            served = ray.get(rollout.served_weights.remote())
+            assert all(torch.equal(served[name], tensor) for name, tensor in weights.items())
+    finally:
+        workers.release()

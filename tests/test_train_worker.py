@@ -323,7 +323,7 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
 
     sharded.save_checkpoint(Store(str(tmp_path / "ckpt")), save_optimizer=True)
     plain.fit(batch, 2)
-    restored = TrainingWorker(plain._config, total_train_steps=4, pad_token_id=pad_id)
+    restored = TrainingWorker(plain.config, total_train_steps=4, pad_token_id=pad_id)
     assert restored.load_checkpoint(Store(str(tmp_path / "ckpt"))) == 1
     restored.fit(batch, 2)
     for name, tensor in plain.export_weights().items():

@@ -39,6 +39,7 @@ from trellis.engine.weights.broadcast import (
 )
 from trellis.engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, layouts
 from trellis.engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
+from trellis.engine.weights.lora import AdapterMerger, adapter_merger
 
 
 class BuiltFrom:
@@ -154,6 +155,12 @@ class TrainerActor(BuiltFrom):
     def _target(self) -> TrainingWorker:
         return self.worker
 
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """A LoRA policy's adapters on rank 0 (every rank must call it), for ``load_adapter``."""
+        fault_point("trainer.sync_weights")
+        adapter = self.worker.export_adapter()
+        return {name: tensor.cpu() for name, tensor in adapter.items()} if self.rank == 0 else {}
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; every rank must call it (gathering shards is collective)."""
         fault_point("trainer.sync_weights")
@@ -184,6 +191,8 @@ class RolloutActor(BuiltFrom):
 
         super().__init__(config, fingerprint, credentials, "rollout")
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
+        self._config = config
+        self._merger: AdapterMerger | None = None
         self._backend_name = config.rollout.backend
         self._on_gpu = rollout_device(config).type == "cuda"
         self._weight_group: WeightGroup | None = None
@@ -233,6 +242,14 @@ class RolloutActor(BuiltFrom):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
         fault_point("rollout.sync_weights")
         self.backend.load_weights(state_dict, policy_version)
+        return policy_version
+
+    def load_adapter(self, adapter: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        """A LoRA policy's adapters, merged here into the base this worker read from load_from."""
+        fault_point("rollout.sync_weights")
+        if self._merger is None:
+            self._merger = adapter_merger(self._config)
+        self.backend.load_weights(self._merger.merged(adapter), policy_version)
         return policy_version
 
     def policy_version(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from trellis.engine.cluster.actor_gpus import gpus_of
 from trellis.engine.config import TrellisConfig
 from trellis.engine.weights.buckets import ROLLOUT_GPU_DTYPE
+from trellis.engine.weights.lora import sends_adapters
 
 
 class WeightSyncError(RuntimeError):
@@ -26,12 +27,17 @@ def push_weights(config: TrellisConfig, trainers, rollouts, policy_version: int)
     """Trainer weights into every rollout worker with no disk round trip. Returns the transport used
     (``cluster.weight_sync`` chooses): CUDA IPC when each rollout worker shares a GPU with a trainer
     rank, a broadcast in a process group of their own (NCCL) when they are on other GPUs, and
-    otherwise (CPU) Ray's object store, or a gloo broadcast when asked for. ``trainers`` and
+    otherwise (CPU) Ray's object store, or a gloo broadcast when asked for; a LoRA policy's adapters
+    alone through the object store where ``lora.sync`` says so. ``trainers`` and
     ``rollouts`` are actor handles, or lists of them (all trainer ranks, all rollout workers)."""
     trainers, rollouts = _as_list(trainers), _as_list(rollouts)
     timeout = config.cluster.ray_get_timeout_s
     trainer_gpus, rollout_gpus = gpus_of(trainers, timeout), gpus_of(rollouts, timeout)
     transport = weight_transport(config.cluster.weight_sync, trainer_gpus, rollout_gpus)
+    if sends_adapters(config, transport):  # megabytes, not the model: the object store serves any placement
+        exports = [t.export_adapter.remote() for t in trainers]  # rank 0's holds the adapters
+        ray.get(exports[1:] + [r.load_adapter.remote(exports[0], policy_version) for r in rollouts], timeout=timeout)
+        return "adapter"
     if transport == "object_store":
         exports = [t.export_weights.remote() for t in trainers]  # rank 0's holds the weights
         ray.get(exports[1:] + [r.load_weights.remote(exports[0], policy_version) for r in rollouts], timeout=timeout)

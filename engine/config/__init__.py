@@ -2,6 +2,7 @@
 YAML with errors a person can act on (``engine.config.loading``)."""
 
 from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "DatasetConfig",
     "DynamicSamplingConfig",
     "LoadCheckpointConfig",
+    "LoraConfig",
     "LossConfig",
     "OptimConfig",
     "ReplayBufferConfig",

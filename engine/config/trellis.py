@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from trellis.engine.config.base import Frozen, Location, StorageOptions
 from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
 from trellis.engine.config.sections import (
     AdvantageConfig,
@@ -70,6 +71,9 @@ class TrellisConfig(Frozen):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters on a frozen base instead of every weight (null: full fine-tuning)."
+    )
 
     sync_weights_interval: int = Field(1, description="Steps between weight syncs to the rollout workers; saves and evaluations fall on sync steps.")
     check_weights_interval: int = Field(

@@ -1,31 +1,39 @@
 """Which stored policy an offline job (evaluate, export) works on, and its weights.
 
 A source is a run's complete trainer checkpoint (``checkpoints/step-N``: ``model.safetensors``, or
-DCP shards under ``model/``) or an HF folder (``hf/step-N``, or any ``save_pretrained`` output).
+DCP shards under ``model/``; a LoRA run's hold ``adapter.safetensors`` or the adapters' shards) or an HF
+folder (``hf/step-N``, any ``save_pretrained`` output, or a PEFT adapter folder over ``load_from``).
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trellis.engine.config import TrellisConfig
+from trellis.engine.config import LoraConfig, TrellisConfig
 from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
+    downloaded,
     is_local,
+    load_object,
     read_full_weights,
     require_complete,
 )
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.lineage import checkpoint_step
+from trellis.engine.train.lora import PolicyAdapters, from_peft_folder_state, is_adapter_name, lora_of_peft_folder, merged_weights
 from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded
+from trellis.engine.train.worker_checkpoint import ADAPTER_FILE
 
+PEFT_CONFIG = "adapter_config.json"
 
 @dataclass(frozen=True)
 class PolicySource:
@@ -54,7 +62,7 @@ def resolve_source(config: TrellisConfig, checkpoint: str | None = None) -> Poli
             )
         return PolicySource(trainer.uri(step), step, "checkpoint")
     uri = checkpoint.rstrip("/")
-    if Store(f"{uri}/config.json", options).exists():
+    if Store(f"{uri}/config.json", options).exists() or Store(f"{uri}/{PEFT_CONFIG}", options).exists():
         return PolicySource(uri, checkpoint_step(uri) or 0, "hf")
     state = require_complete(Store(uri, options))  # says whether it is missing or incomplete
     return PolicySource(uri, int(state["step"]), "checkpoint")
@@ -73,22 +81,58 @@ def local_folder(folder: Store) -> Iterator[str]:
 
 
 def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
-    """The policy model of ``source``, on CPU in float32, in eval mode."""
+    """The policy model of ``source``, on CPU in float32, in eval mode; LoRA adapters (a PEFT folder, or
+    a LoRA run's checkpoint) come merged into ``load_from``'s weights."""
     options = config.storage_options
-    if source.kind == "hf":
-        with local_folder(Store(source.uri, options)) as folder:
+    folder_store = Store(source.uri, options)
+    if source.kind == "hf" and not folder_store.join(PEFT_CONFIG).exists():
+        with local_folder(folder_store) as folder:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with local_folder(Store(config.load_from)) as folder:  # the architecture; its weights are replaced
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if is_sharded(Store(source.uri, options)):
-        load_sharded(Store(source.uri, options), model, None)
+    model = _base_policy(config)  # the architecture; its weights are replaced
+    if source.kind == "hf":
+        with folder_store.join(PEFT_CONFIG).open("r") as handle:
+            lora = lora_of_peft_folder(json.load(handle))
+        with downloaded(folder_store.join("adapter_model.safetensors")) as local:
+            adapters = from_peft_folder_state(load_file(local))
+        return _merged(config, model, lora, adapters, source.uri)
+    state = load_object(folder_store.join("trainer.pt"))
+    if state.get("lora") is not None:
+        lora = LoraConfig.model_validate(state["lora"])
+        if is_sharded(folder_store):
+            PolicyAdapters(model, lora, where=config.load_from)
+            load_sharded(folder_store, model, None, trainable_only=True)
+            adapters = {name: t for name, t in model.state_dict().items() if is_adapter_name(name)}
+            model = _base_policy(config)
+        else:
+            with downloaded(folder_store.join(ADAPTER_FILE)) as local:
+                adapters = load_file(local)
+        return _merged(config, model, lora, adapters, source.uri)
+    if is_sharded(folder_store):
+        load_sharded(folder_store, model, None)
         return model.eval()
-    tensors, aliases = read_full_weights(Store(source.uri, options))
+    tensors, aliases = read_full_weights(folder_store)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if not set(missing) <= set(aliases) or unexpected:
         raise CheckpointError(f"{source.uri} does not match {config.load_from}: missing {missing}, unexpected {unexpected}.")
     model.tie_weights()
     return model.eval()
+
+
+def _base_policy(config: TrellisConfig) -> torch.nn.Module:
+    with local_folder(Store(config.load_from, config.storage_options)) as folder:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def _merged(config: TrellisConfig, model: torch.nn.Module, lora: LoraConfig, adapters: dict, uri: str) -> torch.nn.Module:
+    """A plain ``load_from`` policy holding ``model``'s base with ``adapters`` merged in."""
+    try:
+        weights = merged_weights(model, lora, adapters, where=uri)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from error
+    plain = _base_policy(config)
+    plain.load_state_dict(weights, strict=False)
+    plain.tie_weights()
+    return plain.eval()
 
 
 def policy_weights(config: TrellisConfig, source: PolicySource) -> dict[str, torch.Tensor]:

@@ -5,9 +5,10 @@ run is launched from), and the code the workers would receive can be shipped."""
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from trellis.engine.config import DatasetConfig, TrellisConfig
 from trellis.engine.errors import SettingError
@@ -16,6 +17,7 @@ from trellis.engine.moe.routers import config_moe_shape
 from trellis.engine.rollout.rewards.runner import resolve_function
 from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from trellis.engine.storage.store import Store
+from trellis.engine.train.lora import linear_names, unmatched_problem, unmatched_targets
 from trellis.engine.user_code import UserCodeError, load_attribute, load_function
 
 
@@ -86,7 +88,21 @@ def _policy_problems(config: TrellisConfig) -> list[str]:
     except (OSError, ValueError) as error:
         return [f"load_from: cannot read its config.json: {error}"]
     name = ", ".join(model.get("architectures") or []) or str(model.get("model_type"))
-    return moe_setting_problems(config, config_moe_shape(model) is not None, name)
+    return moe_setting_problems(config, config_moe_shape(model) is not None, name) + _lora_problems(config, model, name)
+
+
+def _lora_problems(config: TrellisConfig, model_json: dict, name: str) -> list[str]:
+    """LoRA's target modules must name linear layers of the policy: checked on a weightless (meta) copy."""
+    if config.lora is None:
+        return []
+    try:
+        hf_config = AutoConfig.for_model(**model_json)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError) as error:
+        return [f"lora: cannot build {name} from its config.json to check lora.target_modules: {error}"]
+    unmatched = unmatched_targets(model, config.lora)
+    return [unmatched_problem(unmatched, linear_names(model), f"{config.load_from} ({name})")] if unmatched else []
 
 
 def _missing(location: Store, marker: str | None) -> str | None:

@@ -18,6 +18,7 @@ from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.run.plan import Role
 from trellis.engine.storage.trackers import Trackers
 from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.weights.lora import AdapterMerger, adapter_merger, sends_adapters
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class LocalWorkers:
     ) -> None:
         self.config, self.roles = config, roles
         self.controller, self.trainer, self.backend, self.trackers = controller, trainer, backend, trackers
+        self._merger: AdapterMerger | None = None
 
     def _of(self, role: Role) -> list[Any]:
         return [{"controller": self.controller, "trainer": self.trainer, "rollout": self.backend}[role]]
@@ -101,7 +103,13 @@ class LocalWorkers:
             self.trainer.onload()
 
     def sync_weights(self, policy_version: int) -> None:
-        """Weights go to the rollout engine while its KV cache sleeps, with no disk round trip."""
+        """Weights go to the rollout engine while its KV cache sleeps, with no disk round trip; a LoRA
+        policy's adapters alone, which the engine merges into its base (``engine.weights.lora``)."""
+        if sends_adapters(self.config, "in_process"):
+            if self._merger is None:
+                self._merger = adapter_merger(self.config)
+            self.backend.load_weights(self._merger.merged(self.trainer.export_adapter()), policy_version=policy_version)
+            return
         self.backend.load_weights(self.trainer.export_weights(), policy_version=policy_version)
 
     def replace_lost_rollout(self) -> bool:

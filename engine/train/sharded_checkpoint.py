@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 # Not re-exported by torch.distributed.checkpoint (torch 2.13); this module is where DCP keeps them.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -37,15 +38,20 @@ OPTIM = "optim"
 METADATA = ".metadata"  # DCP's own name; it renames it into place once every rank has written
 
 
-def save_sharded(folder: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def save_sharded(
+    folder: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False
+) -> None:
     """Write ``model`` (and ``optimizer``) under ``folder``, a new or empty folder such as
-    ``SaveStore.begin`` returns. Every rank of the default process group calls this."""
+    ``SaveStore.begin`` returns. Every rank of the default process group calls this. ``trainable_only``:
+    leave frozen weights out (a LoRA policy's base, which ``load_from`` holds)."""
     if optimizer is not None:
         _save(get_optimizer_state_dict(model, optimizer), folder.join(OPTIM))
-    _save(get_model_state_dict(model), folder.join(MODEL))
+    _save(_weights(model, trainable_only), folder.join(MODEL))
 
 
-def load_sharded(folder_store: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_sharded(
+    folder_store: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False
+) -> None:
     """Load a checkpoint written by ``save_sharded`` at any world size into ``model`` (and
     ``optimizer``), sharded or not. Every rank of the default process group, if any, calls this."""
     folder, options = folder_store.uri.rstrip("/"), folder_store.options
@@ -57,11 +63,11 @@ def load_sharded(folder_store: Store, model: torch.nn.Module, optimizer: torch.o
             f"{folder} was saved without optimizer state; load it without an optimizer to start with fresh AdamW moments."
         )
 
-    weights = get_model_state_dict(model)
+    weights = _weights(model, trainable_only)
     reader = FsspecReader(f"{folder}/{MODEL}", **options)
     _check_weights(weights, reader.read_metadata(), f"{folder}/{MODEL}")
     _load(weights, reader, f"{folder}/{MODEL}")
-    set_model_state_dict(model, weights)
+    set_model_state_dict(model, weights, options=_options(trainable_only))
     if optimizer is None:
         return
     state = get_optimizer_state_dict(model, optimizer)  # creates AdamW's moments if no step ran yet
@@ -70,6 +76,19 @@ def load_sharded(folder_store: Store, model: torch.nn.Module, optimizer: torch.o
     _check_names(set(state["state"]), stored, f"{folder}/{OPTIM}", "optimizer state")
     _load(state, reader, f"{folder}/{OPTIM}")
     set_optimizer_state_dict(model, optimizer, state)
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    # strict=False with trainable_only: the frozen weights are absent on purpose.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _weights(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
+    weights = get_model_state_dict(model, options=_options(trainable_only))
+    if trainable_only:  # DCP keeps a tied alias (lm_head.weight) of a frozen embedding: left out too
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        weights = {name: tensor for name, tensor in weights.items() if name in trainable}
+    return weights
 
 
 def is_sharded(folder: Store) -> bool:

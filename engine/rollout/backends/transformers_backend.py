@@ -118,8 +118,11 @@ class TransformersRollout(StreamingBackend):
         self._abort.clear()
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Every weight, or some (a LoRA sync's merged layers); a name the model lacks is an error."""
         with torch.no_grad():
-            self._model.load_state_dict(state_dict, strict=True)
+            unexpected = self._model.load_state_dict(state_dict, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"The rollout model has no weights named {unexpected[:5]} ({len(unexpected)} names).")
         self._policy_version = policy_version
 
     def served_weights(self) -> dict[str, torch.Tensor]:
