@@ -332,9 +332,12 @@ class TrainingWorker:
         worker_checkpoint.export_hf(self, target, tokenizer_source)
 
     def offload(self) -> None:
-        """Move parameters and optimizer state to CPU (a no-op on CPU, or with offload_when_idle off)."""
+        """Move parameters and optimizer state to CPU (a no-op on CPU, or with offload_when_idle off), and
+        give the memory the last fit cached (its activations: tens of GB for a 7B model) back to the GPU."""
         if self.config.train_worker.offload_when_idle:
             self._move(torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
         self._move(self.device)
