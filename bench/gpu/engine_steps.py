@@ -36,15 +36,18 @@ QWEN2_SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
+    # Qwen2.5-7B: untied embeddings over a 152,064-token vocabulary, 7.6B parameters
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               vocab_size=152064, tie_word_embeddings=False),
 }
 
 
 def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096, shape: str = "0.5b") -> Path:
     """A randomly initialised Qwen2 of the 0.5B (or another of ``QWEN2_SHAPES``) shape, saved in bf16."""
-    config = Qwen2Config(
-        vocab_size=151936, **QWEN2_SHAPES[shape], max_position_embeddings=max_positions, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen2Config(**{
+        "vocab_size": 151936, "tie_word_embeddings": True, **QWEN2_SHAPES[shape], "max_position_embeddings": max_positions,
+        "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+    })
     torch.manual_seed(0)
     larger = shape != "0.5b" and torch.cuda.is_available()  # a 3B init takes minutes on the host; 0.5B stays as measured before
     with torch.device("cuda" if larger else "cpu"):
@@ -57,9 +60,9 @@ def random_qwen2_05b(tokenizer, out: Path, max_positions: int = 4096, shape: str
 
 def step_config(work: Path, args: argparse.Namespace, **changes):
     """The measured step: the random model (or ``--model``), ``args.prompts`` x ``args.group`` samples, 8k packs."""
-    model_dir = args.model or work / "qwen2-05b-random"
+    model_dir = args.model or work / ("qwen2-05b-random" if args.shape == "0.5b" else f"qwen2-{args.shape}-random")
     if not (model_dir / "config.json").exists():
-        random_qwen2_05b(build_tokenizer(), model_dir)
+        random_qwen2_05b(build_tokenizer(), model_dir, shape=args.shape)
     data = work / "train.parquet"
     if not data.exists():
         write_dataset(data, 2048, seed=0)
@@ -79,6 +82,8 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     )
     if args.lr is not None:
         settings["optim"] = {"lr": args.lr}
+    if args.lora:
+        settings["lora"] = {"rank": args.lora, "alpha": 2 * args.lora, "sync": args.lora_sync}
     if args.torch_threads is not None:
         settings["cluster"] = {"torch_threads": args.torch_threads}
     return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
@@ -97,6 +102,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="rollout.gpu_memory_utilization")
     parser.add_argument("--lr", type=float, help="optim.lr (default: the config's)")
     parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
+    parser.add_argument("--shape", choices=sorted(QWEN2_SHAPES), default="0.5b", help="the random model's Qwen2 shape")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA of this rank on every linear layer (0: full fine-tuning)")
+    parser.add_argument("--lora-sync", choices=("auto", "adapter", "full"), default="auto", help="lora.sync")
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
     parser.add_argument("--return-routed-experts", action="store_true", help="MoE: rollout.return_routed_experts (router agreement)")
@@ -118,6 +126,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
             "--new-tokens", str(args.new_tokens), "--backend", args.backend, "--vllm-memory", str(args.vllm_memory)]
     argv += ["--lr", str(args.lr)] if args.lr is not None else []
     argv += ["--model", str(args.model)] if args.model is not None else []
+    argv += ["--shape", args.shape, "--lora", str(args.lora), "--lora-sync", args.lora_sync]
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
@@ -128,7 +137,7 @@ def run_settings(config) -> dict:
     return config.model_dump(mode="json", include={
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
         "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature"},
-        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"},
+        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "lora": True,
         "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype", "routing_replay"},
     })
 

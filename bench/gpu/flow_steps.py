@@ -72,13 +72,32 @@ def in_process_steps(args: argparse.Namespace) -> dict:
 
 
 def timed_sync(config, repeats: int = 3) -> dict:
+    """Syncs between the live actors, timed alone; a LoRA run's both ways (the adapters, and the merged
+    weights as a full fine-tune syncs), with the bytes each sends."""
     trainer, rollout = RunWorkers(config).actor("trainer"), RunWorkers(config).actor("rollout")
-    seconds, transport = [], ""
-    for _ in range(repeats):
-        started = time.perf_counter()
-        transport = weight_sync.push_weights(config, trainer, rollout, policy_version=10_000)
-        seconds.append(time.perf_counter() - started)
-    return {"transport": transport, "median_s": statistics.median(seconds), "all_s": seconds}
+    variants = {"configured": config}
+    if config.lora is not None:
+        for way in ("adapter", "full"):
+            variants[f"lora_sync_{way}"] = config.model_copy(update={"lora": config.lora.model_copy(update={"sync": way})})
+    timings = {}
+    for name, variant in variants.items():
+        seconds, transport = [], ""
+        for _ in range(repeats):
+            started = time.perf_counter()
+            transport = weight_sync.push_weights(variant, trainer, rollout, policy_version=10_000)
+            seconds.append(time.perf_counter() - started)
+        timings[name] = {"transport": transport, "median_s": statistics.median(seconds), "all_s": seconds}
+    if config.lora is not None:
+        timings["bytes"] = ray.get(trainer.call.remote(sync_bytes))
+    return {**timings.pop("configured"), **timings}
+
+
+def sync_bytes(worker) -> dict:
+    """What a LoRA sync sends (the adapters, float32) against the merged weights in the rollout's bf16."""
+    from trellis.engine.weights.lora import payload_bytes
+
+    return {"adapter": payload_bytes(worker.export_adapter()),
+            "full_bf16": 2 * sum(t.numel() for t in worker.export_weights().values())}
 
 
 def flow_round(args: argparse.Namespace, address: str) -> dict:
