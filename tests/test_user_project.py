@@ -178,6 +178,39 @@ def test_a_users_moe_policy_trains_asynchronously_with_routing_replay_on_a_live_
         assert len(row["routed_experts"]) == len(row["response_ids"]) * 8
 
 
+def test_a_users_model_trains_with_lora_asynchronously_on_a_live_cluster(tmp_path, tiny_model, reverse_data, live_cluster):
+    """A user's own checkpoint trained with LoRA, launched with `trellis train` from the user's folder on
+    the live cluster, on the disaggregated trainer: every sync sends the adapters alone (the engine is
+    in another process) and the weight check after it finds the engine serving the trainer's merged
+    weights to the bit; the run's HF export is a PEFT adapter folder that PeftModel loads over the
+    user's base, and it moved the policy."""
+    from peft import PeftModel
+
+    shutil.copytree(tiny_model, tmp_path / "my-model")
+    config = {
+        "load_from": "my-model", "train_dataset": {"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        "work_dir": "runs", "experiment_name": "lora", "train_batch_size": 4, "prompt_repeat_k": 4, "total_train_steps": 3,
+        "trainer": "disaggregated", "lora": {"rank": 4, "alpha": 8}, "optim": {"lr": 1e-2}, "check_weights_interval": 1,
+        "hf_interval": 3, "rollout": {"max_new_tokens": 8}, "reward": {"function": "trellis.engine.tiny.reverse_task:score"},
+        "cluster": {"home": str(live_cluster["home"])},
+    }
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
+    trained = run("train", "my.yaml", cwd=tmp_path, env=live_cluster["env"])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "lora" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    checks = [m["weights/largest_difference"] for m in metrics if "weights/largest_difference" in m]
+    assert len(checks) == 3 and set(checks) == {0.0}
+    export = tmp_path / "runs" / "lora" / "hf" / "step-000003"
+    assert (export / "adapter_config.json").exists() and not (export / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "my-model").eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, export).eval()(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-4
+
+
 def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(project, live_cluster):
     """The run learns on held-out prompts: the exact chance that a sample at the run's temperature is
     the answer rises by more than 0.02, and greedy accuracy rises. Over seeds 1-7 that chance rose by
