@@ -22,12 +22,15 @@ class RolloutBackendTraits:
     exports_served_weights: bool
     # Hands back, per response token, the experts an MoE policy routed it through (routing replay r3).
     returns_routed_experts: bool
+    # Generates with FP8 weights re-quantized at every sync (rollout.quantization).
+    quantizes_fp8: bool = False
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendTraits] = {
     "transformers": RolloutBackendTraits(needs_gpu=False, supports_abort=True, exports_served_weights=True, returns_routed_experts=True),
     "vllm": RolloutBackendTraits(needs_gpu=True, supports_abort=True, exports_served_weights=False,
-                                 returns_routed_experts=True),  # vLLM >= 0.26: enable_return_routed_experts
+                                 returns_routed_experts=True,  # vLLM >= 0.26: enable_return_routed_experts
+                                 quantizes_fp8=True),  # vLLM >= 0.26: layerwise reload of online-quantized weights
 }
 
 

@@ -191,6 +191,27 @@ def routing_problems(config: TrellisConfig) -> list[str]:
     return []
 
 
+def precision_problems(config: TrellisConfig) -> list[str]:
+    """FP8 rollout needs a backend that quantizes, and whole layers at every sync: a LoRA adapter sync loads
+    only the adapted layers' weights, and a fused layer (qkv, gate_up) left half-loaded would be
+    re-quantized with garbage."""
+    quantization, backend = config.rollout.quantization, config.rollout.backend
+    if quantization == "none":
+        return []
+    problems = []
+    if not backend_traits(backend).quantizes_fp8:
+        problems.append(
+            f"rollout.quantization: {quantization} needs a backend that generates in FP8 (vllm, on a GPU with FP8 compute); "
+            f"rollout.backend={backend} does not: set quantization: none."
+        )
+    if config.lora is not None and config.lora.sync == "adapter":
+        problems.append(
+            f"lora.sync: adapter cannot feed an FP8 engine (rollout.quantization: {quantization}), which re-quantizes "
+            "whole layers from full weights: set lora.sync: auto or full."
+        )
+    return problems
+
+
 def resource_problems(config: TrellisConfig) -> list[str]:
     """Several trainer ranks or rollout workers."""
     problems = []
@@ -223,5 +244,5 @@ def resource_problems(config: TrellisConfig) -> list[str]:
 
 RULES = (
     task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems,
-    routing_problems, resource_problems,
+    routing_problems, precision_problems, resource_problems,
 )

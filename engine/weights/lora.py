@@ -45,8 +45,8 @@ def sends_adapters(config: TrellisConfig, transport: str) -> bool:
     the adapters unless the full weights would copy nothing on their way: to an engine of the trainer's
     process, or through CUDA IPC to one sharing its GPU, where on a 7B model they took 0.15 s against the
     adapters' 0.9 s (their merge reads the base from host memory; bench/results/h200_lora_2026-12-03)."""
-    if config.lora is None or config.lora.sync == "full":
-        return False
+    if config.lora is None or config.lora.sync == "full" or config.rollout.quantization != "none":
+        return False  # an FP8 engine re-quantizes whole layers: it takes the merged weights
     return config.lora.sync == "adapter" or transport not in ("cuda_ipc", "in_process")
 
 

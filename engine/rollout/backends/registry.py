@@ -25,6 +25,7 @@ def _vllm(config: TrellisConfig, tokenizer) -> RolloutBackend:
         sleep_level=rollout.sleep_level,
         seed=config.seed,
         capture_routing=config.captures_routing,
+        quantization=rollout.quantization,
     )
 
 

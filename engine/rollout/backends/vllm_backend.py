@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from trellis.engine.errors import SettingError
 from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend
 
 # Set before vLLM is imported: one process, so weight hand-over needs no IPC.
@@ -39,9 +40,14 @@ class VllmRollout(StreamingBackend):
         sleep_level: int = 1,
         seed: int = 0,
         capture_routing: bool = False,
+        quantization: str = "none",
     ) -> None:
         """``capture_routing``: ask vLLM (0.26+) for each request's routed experts
-        (``enable_return_routed_experts``) and hand them back per response token (run on an H200: bench/RESULTS.md section 7)."""
+        (``enable_return_routed_experts``) and hand them back per response token (run on an H200: bench/RESULTS.md section 7).
+        ``quantization``: "fp8" or "fp8_per_block" quantizes the checkpoint's weights at load, and every
+        ``load_weights`` again (``_reload_quantized``)."""
+        if quantization != "none" and (reason := fp8_unavailable()) is not None:
+            raise SettingError(f"rollout.quantization: {quantization} cannot run here: {reason}. Set quantization: none.")
         from vllm import LLM
 
         super().__init__()
@@ -53,7 +59,9 @@ class VllmRollout(StreamingBackend):
         self._weights_awake = True
         self._seed = seed
         self._capture_routing = capture_routing
+        self._quantized = quantization != "none"
         routing = {"enable_return_routed_experts": True} if capture_routing else {}
+        routing |= {"quantization": quantization} if self._quantized else {}
         self._llm = LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -161,9 +169,28 @@ class VllmRollout(StreamingBackend):
             self._llm.wake_up(tags=["weights"])  # the KV cache stays asleep until onload
             self._weights_awake = True
         model = self._model()
-        for bucket in _buckets(state_dict, _BUCKET_BYTES):
-            model.load_weights(bucket)
+        if self._quantized:
+            self._reload_quantized(model, state_dict)
+        else:
+            for bucket in _buckets(state_dict, _BUCKET_BYTES):
+                model.load_weights(bucket)
         self._policy_version = policy_version
+
+    def _reload_quantized(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """FP8 weights are vLLM's own layout (transposed, with scales): its layerwise reload puts each layer's
+        bf16 parameters back, re-quantizes a layer once all its weights have arrived, and copies the result
+        into the FP8 storage the CUDA graphs read. Every weight of a layer must arrive in one reload (a full
+        sync); the trainer's tensors must stay unchanged until it returns."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        config = self._llm.llm_engine.vllm_config
+        with torch.no_grad(), torch.device(next(model.parameters()).device), set_current_vllm_config(config):
+            initialize_layerwise_reload(model)
+            for bucket in _buckets(state_dict, _BUCKET_BYTES):
+                model.load_weights(bucket)
+            finalize_layerwise_reload(model, config.model_config)
+        torch.cuda.empty_cache()  # the reload's bf16 layers, before the KV cache wakes up
 
     def offload(self) -> None:
         if not self._asleep:
@@ -200,6 +227,17 @@ def _partial(engine, internal_id: str) -> tuple[list[int], list[float], np.ndarr
     chunks = getattr(state, "routed_experts_chunks", None)
     routed = np.concatenate([np.asarray(chunk) for chunk in chunks], axis=0) if chunks else None
     return ids, _sampled_logprobs(ids, logprobs), routed
+
+
+def fp8_unavailable() -> str | None:
+    """Why this machine cannot generate in FP8, or None: W8A8 FP8 needs compute capability 8.9+ (below it
+    vLLM would fall back to weight-only FP8, with none of the speed)."""
+    if not torch.cuda.is_available():
+        return "there is no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name()} (sm{major}{minor}) has no FP8 compute; it needs sm89+ (Ada, Hopper, Blackwell)"
+    return None
 
 
 def _buckets(state_dict: Mapping[str, torch.Tensor], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
