@@ -67,7 +67,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     if not data.exists():
         write_dataset(data, 2048, seed=0)
     rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory,
-               "return_routed_experts": args.return_routed_experts}
+               "return_routed_experts": args.return_routed_experts, "quantization": args.quantization}
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
@@ -104,6 +104,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
     parser.add_argument("--shape", choices=sorted(QWEN2_SHAPES), default="0.5b", help="the random model's Qwen2 shape")
     parser.add_argument("--lora", type=int, default=0, help="LoRA of this rank on every linear layer (0: full fine-tuning)")
+    parser.add_argument("--quantization", choices=("none", "fp8", "fp8_per_block"), default="none", help="rollout.quantization")
     parser.add_argument("--lora-sync", choices=("auto", "adapter", "full"), default="auto", help="lora.sync")
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
@@ -126,7 +127,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
             "--new-tokens", str(args.new_tokens), "--backend", args.backend, "--vllm-memory", str(args.vllm_memory)]
     argv += ["--lr", str(args.lr)] if args.lr is not None else []
     argv += ["--model", str(args.model)] if args.model is not None else []
-    argv += ["--shape", args.shape, "--lora", str(args.lora), "--lora-sync", args.lora_sync]
+    argv += ["--shape", args.shape, "--lora", str(args.lora), "--lora-sync", args.lora_sync, "--quantization", args.quantization]
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
@@ -136,7 +137,7 @@ def run_settings(config) -> dict:
     """The settings of the measured step that a comparison with another trainer must match."""
     return config.model_dump(mode="json", include={
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
-        "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature"},
+        "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature", "quantization"},
         "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "lora": True,
         "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype", "routing_replay"},
     })

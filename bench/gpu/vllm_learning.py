@@ -3,11 +3,13 @@ backends change (vLLM rollout in bf16, trainer on CUDA with fp32 master weights 
 Held-out accuracy must rise, and the train/rollout logprob mismatch must stay near zero, or the
 rollout logprobs or the weight sync are wrong.
 
-    python bench/gpu/vllm_learning.py OUT_DIR [--steps 50] [--moe]
+    python bench/gpu/vllm_learning.py OUT_DIR [--steps 50] [--moe] [--quantization fp8] [--rollout-is token]
 
 ``--moe``: the tiny mixture-of-experts policy (``trellis tiny-model --moe``) with rollout routing replay
 (``routing_replay: r3``): vLLM hands back each response token's experts and the trainer routes it
 through them; needs vLLM's MoE kernels (bench/gpu/pack_moe_kernels.sh). Also reports router agreement.
+``--quantization``: vLLM generates in FP8 and re-quantizes the weights at every sync; the mismatch
+figures then measure FP8 against the trainer, and ``--rollout-is`` corrects the loss for it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--moe", action="store_true", help="the tiny MoE policy with routing replay r3")
+    parser.add_argument("--quantization", choices=("none", "fp8", "fp8_per_block"), default="none", help="rollout.quantization")
+    parser.add_argument("--rollout-is", choices=("none", "token", "sequence"), default="none", help="loss.rollout_is.level (truncate at 2)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-gpu/tiny")
@@ -55,8 +59,10 @@ def main() -> None:
         hf_interval=-1,
         auto_resume=False,
         deterministic=False,
-        rollout={"backend": "vllm", "temperature": 0.6, "max_new_tokens": 8, "gpu_memory_utilization": 0.3},
+        rollout={"backend": "vllm", "temperature": 0.6, "max_new_tokens": 8, "gpu_memory_utilization": 0.3,
+                 "quantization": args.quantization},
         train_worker={"device": "cuda", "routing_replay": "r3" if args.moe else "none"},
+        loss={"rollout_is": {"level": args.rollout_is}},
     )
     started = time.perf_counter()
     with LocalRun(config) as run:
@@ -68,6 +74,8 @@ def main() -> None:
     result = {
         "steps": args.steps,
         "policy": "tiny MoE, routing_replay r3" if args.moe else "tiny dense",
+        "quantization": args.quantization,
+        "rollout_is": args.rollout_is,
         "wall_s": wall,
         "eval_accuracy": evals,
         "reward_first5": statistics.mean(m["response/rewards/mean"] for m in steps[:5]),
@@ -79,7 +87,9 @@ def main() -> None:
         "router_replayed_tokens_last": steps[-1].get("router/replayed_tokens") if args.moe else None,
         "time_median_s": {k: statistics.median(m[k] for m in steps if k in m) for k in steps[-1] if k.startswith("time/")},
     }
-    (args.out / f"vllm_learning{'_moe' if args.moe else ''}.json").write_text(json.dumps(result, indent=2))
+    name = f"vllm_learning{'_moe' if args.moe else ''}{'' if args.quantization == 'none' else '_' + args.quantization}"
+    name += "" if args.rollout_is == "none" else f"_is_{args.rollout_is}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2), flush=True)
 
 
