@@ -104,7 +104,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
     parser.add_argument("--shape", choices=sorted(QWEN2_SHAPES), default="0.5b", help="the random model's Qwen2 shape")
     parser.add_argument("--lora", type=int, default=0, help="LoRA of this rank on every linear layer (0: full fine-tuning)")
-    parser.add_argument("--quantization", choices=("none", "fp8", "fp8_per_block"), default="none", help="rollout.quantization")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization")
     parser.add_argument("--lora-sync", choices=("auto", "adapter", "full"), default="auto", help="lora.sync")
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")

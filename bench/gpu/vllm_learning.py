@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--moe", action="store_true", help="the tiny MoE policy with routing replay r3")
-    parser.add_argument("--quantization", choices=("none", "fp8", "fp8_per_block"), default="none", help="rollout.quantization")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization")
     parser.add_argument("--rollout-is", choices=("none", "token", "sequence"), default="none", help="loss.rollout_is.level (truncate at 2)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

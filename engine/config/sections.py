@@ -40,11 +40,11 @@ class RolloutConfig(Frozen):
     eval_temperature: float = Field(0.0, ge=0.0, description="Evaluation samples greedily by default.")
     eval_samples_per_prompt: int = Field(1, gt=0, description="k for the evaluator's pass@k.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only.")
-    quantization: Literal["none", "fp8", "fp8_per_block"] = Field(
+    quantization: Literal["none", "fp8"] = Field(
         "none",
         description="vLLM only: generate with FP8 weights and activations while the trainer keeps its precision; every "
-        "sync re-quantizes the new weights (full syncs only). fp8: one scale per weight tensor, per-token activation "
-        "scales. fp8_per_block: 128x128 weight blocks, finer. Needs a GPU with FP8 compute (sm89+: Ada, Hopper). The "
+        "sync re-quantizes the new weights (full syncs only): one scale per weight tensor, per-token activation "
+        "scales (vLLM's online fp8). Needs a GPU with FP8 compute (sm89+: Ada, Hopper). The "
         "mismatch it adds shows in the mismatch/ metrics; loss.rollout_is corrects for it.",
     )
     sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")

@@ -44,7 +44,7 @@ class VllmRollout(StreamingBackend):
     ) -> None:
         """``capture_routing``: ask vLLM (0.26+) for each request's routed experts
         (``enable_return_routed_experts``) and hand them back per response token (run on an H200: bench/RESULTS.md section 7).
-        ``quantization``: "fp8" or "fp8_per_block" quantizes the checkpoint's weights at load, and every
+        ``quantization``: "fp8" quantizes the checkpoint's weights at load, and every
         ``load_weights`` again (``_reload_quantized``)."""
         if quantization != "none" and (reason := fp8_unavailable()) is not None:
             raise SettingError(f"rollout.quantization: {quantization} cannot run here: {reason}. Set quantization: none.")
