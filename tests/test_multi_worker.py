@@ -20,6 +20,7 @@ from trellis.engine.data.prompts import load_prompts
 from trellis.engine.rollout.backends.base import SamplingParams
 from trellis.engine.rollout.backends.pool import RolloutPool, spread_by_load
 from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.run.checkpoint_source import PolicySource, load_policy
 from trellis.engine.storage.checkpoints import SaveStore
 from trellis.engine.storage.store import Store
 from trellis.engine.train.packing import split_by_tokens
@@ -274,6 +275,8 @@ def test_lora_on_two_ranks_makes_the_update_of_one_and_syncs_the_adapters_alone(
         assert restored.load_checkpoint(Store(uri)) == 2
         saved = workers.wait([rank.export_adapter.remote() for rank in ranks])[0]
         assert all(torch.equal(restored.export_adapter()[name], tensor) for name, tensor in saved.items())
+        offline = load_policy(one_rank.config, PolicySource(uri, 2, "checkpoint")).state_dict()  # export and evaluate read it so
+        assert all(torch.allclose(offline[name], tensor, atol=1e-6) for name, tensor in restored.export_weights().items())
 
         assert workers.sync_weights(2) == "adapter"
         for rollout in workers.actors("rollout"):

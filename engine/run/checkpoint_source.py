@@ -29,11 +29,12 @@ from trellis.engine.storage.checkpoints import (
 )
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.lineage import checkpoint_step
-from trellis.engine.train.lora import PolicyAdapters, from_peft_folder_state, is_adapter_name, lora_of_peft_folder, merged_weights
+from trellis.engine.train.lora import PolicyAdapters, from_peft_folder_state, lora_of_peft_folder, merged_weights
 from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded
 from trellis.engine.train.worker_checkpoint import ADAPTER_FILE
 
 PEFT_CONFIG = "adapter_config.json"
+
 
 @dataclass(frozen=True)
 class PolicySource:
@@ -99,13 +100,11 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
     if state.get("lora") is not None:
         lora = LoraConfig.model_validate(state["lora"])
         if is_sharded(folder_store):
-            PolicyAdapters(model, lora, where=config.load_from)
+            injected = PolicyAdapters(model, lora, where=config.load_from)
             load_sharded(folder_store, model, None, trainable_only=True)
-            adapters = {name: t for name, t in model.state_dict().items() if is_adapter_name(name)}
-            model = _base_policy(config)
-        else:
-            with downloaded(folder_store.join(ADAPTER_FILE)) as local:
-                adapters = load_file(local)
+            return _plain(config, injected.merged(model.state_dict()))
+        with downloaded(folder_store.join(ADAPTER_FILE)) as local:
+            adapters = load_file(local)
         return _merged(config, model, lora, adapters, source.uri)
     if is_sharded(folder_store):
         load_sharded(folder_store, model, None)
@@ -129,6 +128,11 @@ def _merged(config: TrellisConfig, model: torch.nn.Module, lora: LoraConfig, ada
         weights = merged_weights(model, lora, adapters, where=uri)
     except ValueError as error:
         raise CheckpointError(str(error)) from error
+    return _plain(config, weights)
+
+
+def _plain(config: TrellisConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain ``load_from`` policy holding ``weights`` (by the base's names)."""
     plain = _base_policy(config)
     plain.load_state_dict(weights, strict=False)
     plain.tie_weights()
