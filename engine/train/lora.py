@@ -18,6 +18,7 @@ from peft.tuners.lora import LoraLayer
 
 from trellis.engine.config import LoraConfig
 from trellis.engine.errors import SettingError
+from trellis.engine.train import fsdp
 from trellis.engine.weights.lora import LORA_A, LORA_B, merge_weight
 
 ADAPTER = "default"  # PEFT's adapter name; a policy carries one
@@ -149,8 +150,14 @@ def merged_weights(model: torch.nn.Module, lora: LoraConfig, adapters: Mapping[s
     """The weights of base policy ``model`` with ``adapters`` (model-state names) merged in, by the base's
     names. ``model`` keeps the adapters injected: load the result into a plain copy."""
     policy = PolicyAdapters(model, lora, where=where)
-    missing, unexpected = model.load_state_dict(dict(adapters), strict=False)
+    load_adapters(model, adapters, where)
+    return {name: tensor.detach() for name, tensor in policy.merged(model.state_dict()).items()}
+
+
+def load_adapters(model: torch.nn.Module, adapters: Mapping[str, torch.Tensor], where: str) -> None:
+    """Adapter tensors (model-state names) into a model with adapters injected, plain or sharded; a
+    ValueError names what does not match."""
+    missing, unexpected = fsdp.load_model_state(model, adapters)
     lost = [name for name in missing if is_adapter_name(name)]
     if lost or unexpected:
-        raise ValueError(f"{where}: the adapters do not match the model: missing {lost[:3]}, unexpected {unexpected[:3]}.")
-    return {name: tensor.detach() for name, tensor in policy.merged(model.state_dict()).items()}
+        raise ValueError(f"{where} does not match the model's adapters: missing {lost[:3]}, unexpected {unexpected[:3]}.")

@@ -28,7 +28,7 @@ from trellis.engine.storage.checkpoints import (
 )
 from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp
-from trellis.engine.train.lora import is_adapter_name, peft_config, peft_folder_state
+from trellis.engine.train.lora import load_adapters, peft_config, peft_folder_state
 from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 
 if TYPE_CHECKING:
@@ -113,10 +113,10 @@ def _lora_problem(worker: TrainingWorker, uri: str, saved: dict | None) -> str |
 def _load_adapters(worker: TrainingWorker, checkpoint: Store) -> None:
     with downloaded(checkpoint.join(ADAPTER_FILE)) as local:
         tensors = load_file(local, device=str(worker.device))
-    missing, unexpected = fsdp.load_model_state(worker.model, tensors)
-    lost = [name for name in missing if is_adapter_name(name)]
-    if lost or unexpected:
-        raise CheckpointError(f"{checkpoint.uri} does not match the model's adapters: missing {lost}, unexpected {unexpected}.")
+    try:
+        load_adapters(worker.model, tensors, checkpoint.uri)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from error
 
 
 def _load_full_weights(worker: TrainingWorker, checkpoint: Store) -> None:
@@ -133,6 +133,7 @@ def export_hf(worker: TrainingWorker, target: Store, tokenizer_source: str) -> N
     if worker.rank != 0:
         return
     lora = worker.config.lora
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     with staging_folder(target) as folder:
         if worker.adapters is None:
             worker.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
@@ -145,5 +146,5 @@ def export_hf(worker: TrainingWorker, target: Store, tokenizer_source: str) -> N
             if lora.export_merged:
                 merged = {name: t.contiguous() for name, t in worker.adapters.merged(weights).items()}
                 worker.model.save_pretrained(f"{folder}/merged", state_dict=merged, safe_serialization=True)
-                AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(f"{folder}/merged")
-        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
+                tokenizer.save_pretrained(f"{folder}/merged")
+        tokenizer.save_pretrained(folder)

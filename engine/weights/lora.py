@@ -10,7 +10,6 @@ same tensors to the bit.
 from __future__ import annotations
 
 import json
-import tempfile
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -18,7 +17,7 @@ from safetensors import safe_open
 
 from trellis.engine.config import TrellisConfig
 from trellis.engine.devices import rollout_device
-from trellis.engine.storage.checkpoints import is_local
+from trellis.engine.storage.checkpoints import downloaded
 from trellis.engine.storage.store import Store
 
 LORA_A, LORA_B = "lora_A", "lora_B"
@@ -102,11 +101,9 @@ class MergedWeights(Mapping[str, torch.Tensor]):
 
 def read_hf_tensors(folder: Store, names: list[str]) -> dict[str, torch.Tensor]:
     """``names`` out of an HF folder's safetensors (one file, or shards with an index), on CPU."""
-    fs, path = folder.fs()
-    root = path.rstrip("/")
-    index = f"{root}/model.safetensors.index.json"
-    if fs.exists(index):
-        with fs.open(index, "r") as handle:
+    index = folder.join("model.safetensors.index.json")
+    if index.exists():
+        with index.open("r") as handle:
             file_of = json.load(handle)["weight_map"]
     else:
         file_of = {name: "model.safetensors" for name in names}
@@ -116,14 +113,9 @@ def read_hf_tensors(folder: Store, names: list[str]) -> dict[str, torch.Tensor]:
     found: dict[str, torch.Tensor] = {}
     for file in sorted({file_of[name] for name in names}):
         wanted = [name for name in names if file_of[name] == file]
-        with tempfile.TemporaryDirectory() as tmp:
-            local = f"{root}/{file}"
-            if not is_local(fs):
-                fs.get(local, f"{tmp}/{file}")
-                local = f"{tmp}/{file}"
-            with safe_open(local, framework="pt") as handle:
-                stored = set(handle.keys())
-                if lost := [name for name in wanted if name not in stored]:
-                    raise KeyError(f"{folder.uri}/{file} holds no {lost[:3]}.")
-                found.update({name: handle.get_tensor(name) for name in wanted})
+        with downloaded(folder.join(file)) as local, safe_open(local, framework="pt") as handle:
+            stored = set(handle.keys())
+            if lost := [name for name in wanted if name not in stored]:
+                raise KeyError(f"{folder.uri}/{file} holds no {lost[:3]}.")
+            found.update({name: handle.get_tensor(name) for name in wanted})
     return found
