@@ -45,7 +45,9 @@ class VllmRollout(StreamingBackend):
         """``capture_routing``: ask vLLM (0.26+) for each request's routed experts
         (``enable_return_routed_experts``) and hand them back per response token (run on an H200: bench/RESULTS.md section 7).
         ``quantization``: "fp8" quantizes the checkpoint's weights at load, and every
-        ``load_weights`` again (``_reload_quantized``)."""
+        ``load_weights`` again (``_reload_quantized``).
+        ``sleep_level`` 0: an engine that never leaves the GPU, built without vLLM's sleep mode
+        (whose allocator allows one engine per process); ``offload`` is then a no-op."""
         if quantization != "none" and (reason := fp8_unavailable()) is not None:
             raise SettingError(f"rollout.quantization: {quantization} cannot run here: {reason}. Set quantization: none.")
         from vllm import LLM
@@ -68,7 +70,7 @@ class VllmRollout(StreamingBackend):
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            enable_sleep_mode=True,
+            enable_sleep_mode=sleep_level > 0,
             seed=seed,
             # The contract: logprobs of the sampled token under logits / temperature.
             logprobs_mode="processed_logprobs",
@@ -193,7 +195,7 @@ class VllmRollout(StreamingBackend):
         torch.cuda.empty_cache()  # the reload's bf16 layers, before the KV cache wakes up
 
     def offload(self) -> None:
-        if not self._asleep:
+        if not self._asleep and self._sleep_level > 0:
             self._llm.reset_prefix_cache()
             self._llm.sleep(level=self._sleep_level)
             self._asleep, self._weights_awake = True, False
