@@ -1,0 +1,81 @@
+"""The tiny vision-language policy, built offline: the tiny tokenizer with Qwen2-VL's vision
+tokens, a chat template whose messages may hold images, and a random ~1M-parameter Qwen2-VL model
+whose text half has the tiny text model's shape.
+
+Separate builders from ``engine.tiny.model`` on purpose: four more tokens change the vocabulary, and
+with it the seeded initialization the text model's pinned warm-up depends on.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+from trellis.engine.tiny.model import CHAT_TEMPLATE, Example, build_tokenizer
+from trellis.engine.tiny.reverse_task import make_example
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"  # in the vocabulary for vLLM's config checks; trellis takes no video
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+# A message's content is a string, or a list of {"type": "text", "text": ...} and {"type": "image"}
+# parts; an image is one placeholder here, which the processor expands to the image's token count.
+_CONTENT = "{{ message['content'] or '' }}"
+_PARTS = (
+    "{% if message['content'] is string or message['content'] is none %}" + _CONTENT + "{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    + VISION_START + IMAGE_PAD + VISION_END
+    + "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_CONTENT, _PARTS)
+
+
+def build_vlm_tokenizer(seed: int = 0, make_example: Example = make_example) -> PreTrainedTokenizerFast:
+    tokenizer = build_tokenizer(seed, make_example)
+    tokenizer.add_special_tokens(
+        {"extra_special_tokens": [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]}, replace_extra_special_tokens=False
+    )
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    torch.manual_seed(seed)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # The three sections split a head's 16 rotary frequencies between time, height and width.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    )
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=128,  # the merger's output: the text model's width
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _TOKEN_IDS.items()}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    return model
+
+
+_TOKEN_IDS = {
+    "image_token_id": IMAGE_PAD,
+    "video_token_id": VIDEO_PAD,
+    "vision_start_token_id": VISION_START,
+    "vision_end_token_id": VISION_END,
+}
