@@ -65,3 +65,20 @@ def test_image_sources_in_template_order():
         {"role": "user", "content": [{"type": "image", "image": "c.png"}]},
     ]
     assert image_sources(messages) == ["a.png", b"b", "c.png"]
+
+
+def test_the_shapes_task_rows_read_back_from_parquet_and_their_labels_are_true(tmp_path):
+    import pyarrow.parquet as pq
+
+    from trellis.engine.tiny import shapes_task
+
+    path = shapes_task.write_dataset(tmp_path / "shapes.parquet", count=40, seed=3)
+    rows = pq.read_table(path).to_pylist()
+    assert len(rows) == 40 and len({row["label"] for row in rows}) >= 3, "the answers vary"
+    for row in rows:
+        (source,) = image_sources(row["prompt"])
+        image, _ = read_image(source, max_pixels=LIMIT * 4)
+        asked = row["prompt"][0]["content"][1]["text"].removeprefix("count ")
+        centres = [image.getpixel((x * shapes_task.CELL + 14, y * shapes_task.CELL + 14)) for y in range(3) for x in range(3)]
+        assert str(centres.count(shapes_task.COLOURS[asked])) == row["label"]
+        assert shapes_task.score({"response": f" {row['label']}\n", "label": row["label"]}) == 1.0
