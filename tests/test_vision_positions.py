@@ -9,7 +9,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trellis.engine.tiny.vlm import IMAGE_PAD, MERGE_SIZE, PATCH_SIZE, build_vlm_model, build_vlm_tokenizer
-from trellis.engine.vision.positions import extend_positions, image_token_count, mrope_positions
+from trellis.engine.vision.positions import expand_image_placeholders, extend_positions, mrope_positions
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,6 @@ def _images(*sizes: tuple[int, int]):
     return out["pixel_values"], [tuple(grid) for grid in out["image_grid_thw"].tolist()]
 
 
-def _expand(ids: list[int], pad: int, grids) -> list[int]:
-    counts = iter(image_token_count(grid, MERGE_SIZE) for grid in grids)
-    return [token for i in ids for token in ([pad] * next(counts) if i == pad else [i])]
-
-
 def test_positions_equal_transformers_and_give_the_models_logits(policy):
     tokenizer, model = policy
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
@@ -39,7 +34,8 @@ def test_positions_equal_transformers_and_give_the_models_logits(policy):
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt.count(pad) == 2, "the template writes one placeholder per image"
     response = tokenizer("abc", add_special_tokens=False)["input_ids"]
-    expanded = _expand(prompt, pad, grids)
+    expanded = expand_image_placeholders(prompt, grids, image_token_id=pad, merge_size=MERGE_SIZE)
+    assert len(expanded) == len(prompt) - 2 + 6 + 5
     ids = torch.tensor([expanded + response])
     theirs, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == pad).int(), image_grid_thw=torch.tensor(grids))
 
@@ -60,6 +56,12 @@ def test_placeholders_that_do_not_match_the_images_are_refused():
         mrope_positions([5, 9, 9, 9, 5], [grid], image_token_id=9, merge_size=2)
     with pytest.raises(ValueError, match="placeholders for 1"):
         mrope_positions([5, 9, 9, 9, 9, 9, 9, 5], [grid, grid], image_token_id=9, merge_size=2)
+
+
+def test_expanding_refuses_more_images_than_placeholders():
+    with pytest.raises(ValueError, match="2 image"):
+        expand_image_placeholders([5, 9, 5], [(1, 4, 6), (1, 4, 6)], image_token_id=9, merge_size=2)
+    assert expand_image_placeholders([5, 9, 5], [(1, 4, 6)], image_token_id=9, merge_size=2) == [5] + [9] * 6 + [5]
 
 
 def test_text_only_positions_are_the_plain_range():

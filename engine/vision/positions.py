@@ -25,6 +25,17 @@ def image_token_count(grid: ImageGrid, merge_size: int) -> int:
     return t * h * w // (merge_size * merge_size)
 
 
+def expand_image_placeholders(
+    token_ids: Sequence[int], image_grids: Sequence[ImageGrid], *, image_token_id: int, merge_size: int
+) -> list[int]:
+    """The ids the model reads, from a chat template's one placeholder an image: vLLM takes the short
+    form and expands it itself; the trainer and the lake hold the expanded form."""
+    if (found := sum(token == image_token_id for token in token_ids)) != len(image_grids):
+        raise ValueError(f"{len(image_grids)} image(s) given, and the prompt holds {found} image placeholder(s)")
+    counts = iter(image_token_count(grid, merge_size) for grid in image_grids)
+    return [id_ for token in token_ids for id_ in ([token] * next(counts) if token == image_token_id else [token])]
+
+
 def mrope_positions(
     token_ids: Sequence[int], image_grids: Sequence[ImageGrid], *, image_token_id: int, merge_size: int
 ) -> torch.Tensor:
