@@ -78,15 +78,15 @@ def build_tokenizer(
     return tokenizer
 
 
+# The decoder's shape, shared by the tiny text and vision-language policies.
+DECODER_SHAPE = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
 def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **DECODER_SHAPE,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from trellis.engine.tiny.model import CHAT_TEMPLATE, Example, build_tokenizer
+from trellis.engine.tiny.model import CHAT_TEMPLATE, DECODER_SHAPE, Example, build_tokenizer
 from trellis.engine.tiny.reverse_task import make_example
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -42,11 +42,7 @@ def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2V
     torch.manual_seed(seed)
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **DECODER_SHAPE,
         max_position_embeddings=512,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -57,7 +53,7 @@ def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2V
     vision = dict(
         depth=2,
         embed_dim=32,
-        hidden_size=128,  # the merger's output: the text model's width
+        hidden_size=DECODER_SHAPE["hidden_size"],  # the merger's output: the text model's width
         num_heads=2,
         mlp_ratio=2,
         patch_size=PATCH_SIZE,
