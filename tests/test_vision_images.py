@@ -4,21 +4,18 @@ a part with no source) is refused with the reason a skip report counts."""
 
 from __future__ import annotations
 
-import io
-
 import fsspec
 import pytest
 from PIL import Image
 
+from trellis.engine.tiny import shapes_task
 from trellis.engine.vision.images import ImageError, image_sources, read_image
 
 LIMIT = 64 * 64
 
 
 def _png(size=(20, 10), colour=(200, 30, 30)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return shapes_task.png_bytes(Image.new("RGB", size, colour))
 
 
 def test_every_source_form_gives_the_same_image_and_hash(tmp_path):
@@ -69,8 +66,6 @@ def test_image_sources_in_template_order():
 
 def test_the_shapes_task_rows_read_back_from_parquet_and_their_labels_are_true(tmp_path):
     import pyarrow.parquet as pq
-
-    from trellis.engine.tiny import shapes_task
 
     path = shapes_task.write_dataset(tmp_path / "shapes.parquet", count=40, seed=3)
     rows = pq.read_table(path).to_pylist()

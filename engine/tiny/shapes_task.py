@@ -14,13 +14,13 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from trellis.engine.rollout.rewards.builtin import exact_match
 from trellis.engine.tiny.files import write_rows
 
 CELL, GRID = 28, 3
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220)}
 SHAPES = ("square", "circle")
 DATA_SOURCE = "shapes"
-EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a separate random stream
 
 
 def make_example(rng: random.Random) -> tuple[Image.Image, str, str]:
@@ -62,6 +62,4 @@ def write_dataset(path: str | Path, count: int, seed: int) -> Path:
     return write_rows(path, make_rows(count, seed))
 
 
-def score(sample: dict[str, Any]) -> float:
-    """1.0 iff the stripped response is the count."""
-    return 1.0 if str(sample["response"]).strip() == str(sample["label"]) else 0.0
+score = exact_match  # 1.0 iff the stripped response is the count

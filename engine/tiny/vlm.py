@@ -17,6 +17,12 @@ from trellis.engine.tiny.reverse_task import make_example
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"  # in the vocabulary for vLLM's config checks; trellis takes no video
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+_TOKEN_IDS = {  # the config's id fields, and the tokens they name
+    "image_token_id": IMAGE_PAD,
+    "video_token_id": VIDEO_PAD,
+    "vision_start_token_id": VISION_START,
+    "vision_end_token_id": VISION_END,
+}
 # A message's content is a string, or a list of {"type": "text", "text": ...} and {"type": "image"}
 # parts; an image is one placeholder here, which the processor expands to the image's token count.
 _CONTENT = "{{ message['content'] or '' }}"
@@ -68,10 +74,3 @@ def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2V
     )
     return model
 
-
-_TOKEN_IDS = {
-    "image_token_id": IMAGE_PAD,
-    "video_token_id": VIDEO_PAD,
-    "vision_start_token_id": VISION_START,
-    "vision_end_token_id": VISION_END,
-}
