@@ -15,12 +15,19 @@ class DatasetConfig(Frozen):
 
     path: Location = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
     format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="auto: from the file extension.")
-    prompt_key: str = Field("prompt", description="Column of the prompt: a string, or a list of {role, content} messages.")
+    prompt_key: str = Field(
+        "prompt",
+        description="Column of the prompt: a string, or a list of {role, content} messages; a content may be a list of "
+        '{"type": "text", "text": ...} and {"type": "image", "image": bytes, path or URI} parts (a vision-language policy).',
+    )
     label_key: str = Field("label", description="Column of the label the reward function compares with (optional).")
     data_source_key: str = Field("data_source", description="Column that groups evaluation metrics and picks reward.by_data_source (optional).")
     task_name_key: str = Field("task_name", description="Column of the task name (optional).")
     max_prompt_length: int = Field(
         1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096, gt=0, description="Rows with a larger image (width x height) are skipped and counted."
     )
     storage_options: StorageOptions = Field(default_factory=dict, repr=False, description="Passed to fsspec (e.g. S3 endpoint).")
     limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")

@@ -1,6 +1,7 @@
 """Prompt datasets: read Parquet or JSONL through fsspec, keep usable rows, count the rest.
 
-A row needs a prompt (a string, or a list of ``{"role", "content"}`` messages). Its label, data
+A row needs a prompt (a string, or a list of ``{"role", "content"}`` messages whose content is a
+string or a list of text and image parts, ``engine.vision.images``). Its label, data
 source and task name are optional, and so is ``max_new_tokens``, the prompt's own cap on response
 tokens (below ``rollout.max_new_tokens``); every other column travels to the reward function as an extra.
 Rows that cannot be used are skipped and counted by reason, never silently dropped.
@@ -19,6 +20,8 @@ import pyarrow.parquet as pq
 
 from trellis.engine.config import DatasetConfig
 from trellis.engine.errors import SettingError
+from trellis.engine.vision.images import ImageError, PromptImage, image_sources, load_image
+from trellis.engine.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +31,14 @@ MAX_NEW_TOKENS_KEY = "max_new_tokens"
 @dataclass(frozen=True)
 class PromptRecord:
     index: int
-    messages: tuple[dict[str, str], ...]
-    prompt_ids: tuple[int, ...]
+    messages: tuple[dict[str, Any], ...]  # an image part's source replaced by its reference (uri or sha256:...)
+    prompt_ids: tuple[int, ...]  # a vision-language prompt's with each image's placeholder expanded
     label: Any = None
     data_source: str = "default"
     task_name: str = "default"
     extra: dict[str, Any] = field(default_factory=dict)
     max_new_tokens: int | None = None
+    images: tuple[PromptImage, ...] = ()  # in the order of the prompt's placeholders
 
 
 @dataclass
@@ -64,11 +68,14 @@ class DatasetError(SettingError):
     """The dataset cannot be read at all (missing path, unknown format, no usable rows)."""
 
 
-def load_prompts(config: DatasetConfig, tokenizer: Any) -> tuple[list[PromptRecord], SkipReport]:
+def load_prompts(
+    config: DatasetConfig, tokenizer: Any, vision: VisionProcessor | None = None
+) -> tuple[list[PromptRecord], SkipReport]:
+    """``vision``: the policy's image processor (a vision-language policy); rows with images need it."""
     report = SkipReport()
     records: list[PromptRecord] = []
     for row in _read_rows(config, report):
-        record = _to_record(row, config, tokenizer, report, index=report.rows_read - 1)
+        record = _to_record(row, config, tokenizer, vision, report, index=report.rows_read - 1)
         if record is not None:
             records.append(record)
             if config.limit is not None and len(records) >= config.limit:
@@ -124,7 +131,7 @@ def _format_of(path: str, config: DatasetConfig) -> str | None:
 
 
 def _to_record(
-    row: dict[str, Any], config: DatasetConfig, tokenizer: Any, report: SkipReport, index: int
+    row: dict[str, Any], config: DatasetConfig, tokenizer: Any, vision: VisionProcessor | None, report: SkipReport, index: int
 ) -> PromptRecord | None:
     prompt = row.get(config.prompt_key)
     messages = _as_messages(prompt)
@@ -132,9 +139,29 @@ def _to_record(
         reason = "no prompt" if prompt in (None, "", []) else "prompt of wrong type"
         report.skip(reason, f"row {index}: {config.prompt_key}={str(prompt)[:40]!r}")
         return None
+    images: tuple[PromptImage, ...] = ()
+    if sources := image_sources(messages):
+        if vision is None:
+            raise DatasetError(
+                f"Row {index} of {config.path} holds images, and the policy is a text-only model: "
+                "train a vision-language model (Qwen2-VL family) on it, or drop the image parts."
+            )
+        try:
+            loaded = [load_image(s, max_pixels=config.max_image_pixels, storage_options=config.storage_options) for s in sources]
+        except ImageError as error:
+            report.skip(error.reason, f"row {index}: {error}")
+            return None
+        images = tuple(image for _, image in loaded)
+        messages = _with_image_refs(messages, images)
     prompt_ids = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
     )
+    if images:
+        try:
+            prompt_ids = vision.expand(prompt_ids, vision.grids([pixels for pixels, _ in loaded]))
+        except ValueError as error:
+            report.skip("images and placeholders differ", f"row {index}: {error}")
+            return None
     if len(prompt_ids) > config.max_prompt_length:
         report.skip("prompt too long", f"row {index}: {len(prompt_ids)} > {config.max_prompt_length} tokens")
         return None
@@ -152,19 +179,39 @@ def _to_record(
         task_name=str(row.get(config.task_name_key) or "default"),
         extra={k: v for k, v in row.items() if k not in known},
         max_new_tokens=max_new_tokens,
+        images=images,
     )
 
 
-def _as_messages(prompt: Any) -> tuple[dict[str, str], ...] | None:
+def _as_messages(prompt: Any) -> tuple[dict[str, Any], ...] | None:
     if isinstance(prompt, str):
         return ({"role": "user", "content": prompt},) if prompt.strip() else None
     if isinstance(prompt, (list, tuple)) and prompt:
         messages = []
         for message in prompt:
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
                 return None
-            if message.get("role") not in ("system", "user", "assistant", "tool"):
+            content = message.get("content")
+            if isinstance(content, (list, tuple)) and content and all(map(_is_part, content)):
+                content = [dict(part) for part in content]
+            elif not isinstance(content, str):
                 return None
-            messages.append({"role": message["role"], "content": message["content"]})
+            messages.append({"role": message["role"], "content": content})
         return tuple(messages)
     return None
+
+
+def _is_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    return (part.get("type") == "text" and isinstance(part.get("text"), str)) or part.get("type") == "image"
+
+
+def _with_image_refs(messages: tuple[dict[str, Any], ...], images: tuple[PromptImage, ...]) -> tuple[dict[str, Any], ...]:
+    """The messages with each image part's source (bytes, often) replaced by a reference to it."""
+    refs = iter(image.ref.uri or f"sha256:{image.ref.sha256}" for image in images)
+    return tuple(
+        {**m, "content": [{"type": "image", "image": next(refs)} if p["type"] == "image" else p for p in m["content"]]}
+        if isinstance(m["content"], list) else m
+        for m in messages
+    )

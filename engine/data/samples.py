@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from trellis.engine.vision.images import PromptImage
+
 
 class Status(str, Enum):
     COMPLETED = "completed"
@@ -26,7 +28,7 @@ class RolloutSample:
     group_id: str
     session_id: str
     prompt_index: int
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     prompt_ids: list[int]
     label: Any
     data_source: str
@@ -52,6 +54,8 @@ class RolloutSample:
     # A multi-turn session (engine.rollout.agents): its turns as token spans of the response, its
     # tool calls, why it ended and its last assistant turn. None for a single response.
     agent: dict[str, Any] | None = None
+    # A vision-language prompt's images, in the order of its placeholders.
+    images: list[PromptImage] = field(default_factory=list)
 
     @property
     def oldest_version(self) -> int:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.moe.codec import decode, encode
+from trellis.engine.storage.lake_images import IMAGE_TYPE, image_cells, images_of, messages_of, prompt_cells, store_inline_images
 from trellis.engine.storage.store import Store
 
 SCHEMA = pa.schema(
@@ -56,6 +57,8 @@ SCHEMA = pa.schema(
         ("agent", pa.string()),  # JSON of multi-turn agent fields, null for single-turn samples
         ("flow_run_id", pa.string()),  # the orchestrator run (Prefect flow run of the step) that wrote the row
         ("checkpoint", pa.string()),  # what policy_version was saved as (null: never saved); see engine.storage.lineage
+        ("prompt_parts", pa.string()),  # JSON of messages made of text and image parts; null for plain text
+        ("images", pa.list_(IMAGE_TYPE)),  # references to the prompt's images; see engine.storage.lake_images
     ]
 )
 
@@ -72,10 +75,15 @@ def partition_uri(run_uri: str, split: str, step: int) -> str:
     return f"{run_uri.rstrip('/')}/trajectories/split={split}/step={step:06d}"
 
 
-def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None, *, routing: bool = True) -> dict[str, Any]:
-    """``routing``: keep the sample's routed experts (rollout.store_routed_experts)."""
+def to_row(
+    sample: RolloutSample, run: str, lineage: RowLineage | None = None, *, routing: bool = True,
+    stored_images: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``routing``: keep the sample's routed experts (rollout.store_routed_experts). ``stored_images``:
+    where the lake keeps the inline images, by hash (``store_inline_images``)."""
     lineage = lineage or RowLineage()
     routed, routed_shape = encode(sample.routed_experts if routing else None)
+    prompt, prompt_parts = prompt_cells(sample.messages)
     return {
         "run": run,
         "train_step": sample.train_step,
@@ -88,7 +96,7 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None, *
         "status": sample.status.value,
         "finish_reason": sample.finish_reason,
         "error_msg": sample.error,
-        "prompt": sample.messages,
+        "prompt": prompt,
         "label": None if sample.label is None else str(sample.label),
         "response": sample.response,
         "prompt_ids": sample.prompt_ids,
@@ -109,6 +117,8 @@ def to_row(sample: RolloutSample, run: str, lineage: RowLineage | None = None, *
         "agent": None if sample.agent is None else json.dumps(sample.agent, default=str),
         "flow_run_id": lineage.flow_run_id,
         "checkpoint": lineage.checkpoints.get(sample.policy_version),
+        "prompt_parts": prompt_parts,
+        "images": image_cells(sample.images, stored_images or {}),
     }
 
 
@@ -118,7 +128,9 @@ def write_samples(
 ) -> str:
     """Write one step's samples as one Parquet part under ``root`` (the run's folder); return the part's URI.
     ``routing``: keep each sample's routed experts (rollout.store_routed_experts)."""
-    table = pa.Table.from_pylist([to_row(s, run, lineage, routing=routing) for s in samples], schema=SCHEMA)
+    stored = store_inline_images(samples, root)
+    rows = [to_row(s, run, lineage, routing=routing, stored_images=stored) for s in samples]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
     return write_part(table, Store(partition_uri(root.uri, split, step), root.options))
 
 
@@ -184,7 +196,7 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         group_id=row["group_id"],
         session_id=row["session_id"],
         prompt_index=row.get("prompt_index", -1),
-        messages=list(row["prompt"] or []),
+        messages=messages_of(row["prompt"], row.get("prompt_parts")),
         prompt_ids=list(row["prompt_ids"]),
         label=row["label"],
         data_source=row["data_source"],
@@ -206,6 +218,7 @@ def from_row(row: dict[str, Any]) -> RolloutSample:
         policy_version=row["policy_version"],
         train_step=row["train_step"],
         agent=json.loads(row["agent"]) if row.get("agent") else None,
+        images=images_of(row.get("images")),
     )
 
 

@@ -8,8 +8,16 @@ with it the seeded initialization the text model's pinned warm-up depends on.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil as Qwen2VLImageProcessor,  # the processor that needs no torchvision
+)
 
 from trellis.engine.tiny.model import CHAT_TEMPLATE, DECODER_SHAPE, Example, build_tokenizer
 from trellis.engine.tiny.reverse_task import make_example
@@ -74,3 +82,27 @@ def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2V
     )
     return model
 
+
+
+
+def build_image_processor() -> Qwen2VLImageProcessor:
+    """Qwen2-VL's image processor at the tiny model's patch sizes: an image keeps its size between
+    56 x 56 and 448 x 448 pixels, rounded to whole merged patches (84 x 84 gives 3 x 3 tokens)."""
+    cell = PATCH_SIZE * MERGE_SIZE
+    return Qwen2VLImageProcessor(
+        size={"shortest_edge": (2 * cell) ** 2, "longest_edge": (16 * cell) ** 2},
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
+
+
+def save_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
+    """The tiny VL model, its tokenizer and image processor as one HF folder (random weights)."""
+    out_dir = Path(out_dir)
+    tokenizer = build_vlm_tokenizer(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_vlm_model(tokenizer, seed).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    build_image_processor().save_pretrained(out_dir)
+    return out_dir

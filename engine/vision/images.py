@@ -44,8 +44,31 @@ def image_sources(messages: Iterable[Mapping[str, Any]]) -> list[Any]:
     return sources
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """An image as it travels with a prompt's samples: its encoded file (never decoded pixels, which
+    are many times larger) and its reference."""
+
+    ref: ImageRef
+    data: bytes | None = None  # None where only the reference was kept: it is read again from ref.uri
+
+    def decode(self, storage_options: Mapping[str, Any] | None = None) -> Image.Image:
+        if self.data is not None:
+            return Image.open(io.BytesIO(self.data)).convert("RGB")
+        if self.ref.uri is None:
+            raise ImageError("image without a source", f"image {self.ref.sha256[:12]} kept neither its bytes nor where it is")
+        with fsspec.open(self.ref.uri, "rb", **(storage_options or {})) as handle:
+            return Image.open(io.BytesIO(handle.read())).convert("RGB")
+
+
 def read_image(source: Any, *, max_pixels: int, storage_options: Mapping[str, Any] | None = None) -> tuple[Image.Image, ImageRef]:
     """Decode one image source to RGB; raise ``ImageError`` for a missing, unreadable or oversized one."""
+    image, prompt_image = load_image(source, max_pixels=max_pixels, storage_options=storage_options)
+    return image, prompt_image.ref
+
+
+def load_image(source: Any, *, max_pixels: int, storage_options: Mapping[str, Any] | None = None) -> tuple[Image.Image, PromptImage]:
+    """As ``read_image``, keeping the encoded bytes for the samples to carry."""
     data, uri = _image_bytes(source, storage_options or {})
     name = uri or "inline image"
     try:
@@ -60,7 +83,7 @@ def read_image(source: Any, *, max_pixels: int, storage_options: Mapping[str, An
         raise ImageError("image too large", f"{name}: {error}") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as error:
         raise ImageError("unreadable image", f"{name}: {error}") from None
-    return image, ImageRef(hashlib.sha256(data).hexdigest(), uri)
+    return image, PromptImage(ImageRef(hashlib.sha256(data).hexdigest(), uri), data)
 
 
 def _image_bytes(source: Any, storage_options: Mapping[str, Any]) -> tuple[bytes, str | None]:

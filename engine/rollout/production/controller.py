@@ -46,6 +46,7 @@ from trellis.engine.storage.lake import (
     write_part,
     write_samples,
 )
+from trellis.engine.storage.lake_images import store_inline_images
 from trellis.engine.storage.ledger import LedgerEntries
 from trellis.engine.storage.lineage import policy_checkpoints, record_step
 
@@ -180,7 +181,9 @@ class Controller:
         return uri, summary(samples)
 
     def _record_produced(self, groups: list[list[RolloutSample]], round_index: int, part: int) -> None:
-        table = pa.Table.from_pylist([to_row(s, self.config.experiment_name) for group in groups for s in group], schema=SCHEMA)
+        samples = [s for group in groups for s in group]
+        stored = store_inline_images(samples, Store(self.config.run_uri, self.config.storage_options))
+        table = pa.Table.from_pylist([to_row(s, self.config.experiment_name, stored_images=stored) for s in samples], schema=SCHEMA)
         write_part(table, Store(produced_uri(self.config.run_uri, round_index), self.config.storage_options), part=part)
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ def new_groups(
                 train_step=train_step,
                 epoch=epoch,
                 max_new_tokens=prompt.max_new_tokens,
+                images=list(prompt.images),
             )
             for k in range(repeat)
         ])

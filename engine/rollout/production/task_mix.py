@@ -19,6 +19,7 @@ import torch
 
 from trellis.engine.config import TaskConfig, TrellisConfig
 from trellis.engine.data.prompts import PromptRecord, SkipReport, load_prompts
+from trellis.engine.vision.processor import VisionProcessor
 from trellis.engine.data.sampler import PromptSampler
 from trellis.engine.data.samples import RolloutSample
 from trellis.engine.rollout.agents.agent_loops import build_agent_loop
@@ -40,16 +41,17 @@ class RolloutInputs:
 
 
 def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
+    vision = VisionProcessor.of_model(config.load_from)  # None for a text-only policy
     if not config.tasks:
         assert config.train_dataset is not None  # the config requires one or the other
-        prompts, report = load_prompts(config.train_dataset, tokenizer)
-        eval_prompts = load_prompts(config.eval_dataset, tokenizer)[0] if config.eval_dataset is not None else []
+        prompts, report = load_prompts(config.train_dataset, tokenizer, vision)
+        eval_prompts = load_prompts(config.eval_dataset, tokenizer, vision)[0] if config.eval_dataset is not None else []
         loop = build_agent_loop(config.agent, tokenizer, config.max_prompt_length)
         sampler = PromptSampler(prompts, seed=config.seed)
         return RolloutInputs(
             sampler, report, eval_prompts, RewardRunner(config.reward), loop, loop, samplers={SINGLE_TASK: sampler}
         )
-    tasks = [_build_task(task, config, tokenizer) for task in config.tasks]
+    tasks = [_build_task(task, config, tokenizer, vision) for task in config.tasks]
     return RolloutInputs(
         sampler=MixedSampler(tasks, seed=config.seed),
         train_report=TaskReports({task.name: task.report for task in tasks}),
@@ -75,9 +77,9 @@ class _Task:
         return self.config.name
 
 
-def _build_task(task: TaskConfig, config: TrellisConfig, tokenizer: Any) -> _Task:
-    prompts, report = load_prompts(task.train_dataset, tokenizer)
-    eval_prompts = load_prompts(task.eval_dataset, tokenizer)[0] if task.eval_dataset is not None else []
+def _build_task(task: TaskConfig, config: TrellisConfig, tokenizer: Any, vision: VisionProcessor | None) -> _Task:
+    prompts, report = load_prompts(task.train_dataset, tokenizer, vision)
+    eval_prompts = load_prompts(task.eval_dataset, tokenizer, vision)[0] if task.eval_dataset is not None else []
     if not prompts:
         raise ValueError(f"tasks[{task.name}]: no usable prompt in {task.train_dataset.path} ({report.summary()}).")
     return _Task(
