@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
 
-def unique_rows(rows: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+def unique_rows(
+    rows: Sequence[Sequence[int]], extra_keys: Sequence[Hashable] | None = None
+) -> tuple[list[tuple[int, ...]], list[int]]:
     """Distinct rows in first-seen order, and for every input row the index of its distinct row.
 
-    A GRPO group repeats one prompt G times; the callers run each distinct prompt once.
+    A GRPO group repeats one prompt G times; the callers run each distinct prompt once. ``extra_keys``:
+    what else must match for two rows to be one (the images of a vision-language prompt: two pictures
+    behind the same question have the same token ids).
     """
-    index_of: dict[tuple[int, ...], int] = {}
-    row_index = [index_of.setdefault(tuple(row), len(index_of)) for row in rows]
-    return list(index_of), row_index
+    index_of: dict[Hashable, int] = {}
+    first: list[tuple[int, ...]] = []
+    row_index = []
+    for i, row in enumerate(rows):
+        key = (tuple(row), extra_keys[i] if extra_keys is not None else None)
+        if key not in index_of:
+            index_of[key] = len(first)
+            first.append(tuple(row))
+        row_index.append(index_of[key])
+    return first, row_index
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

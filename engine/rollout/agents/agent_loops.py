@@ -20,7 +20,7 @@ from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
 from trellis.engine.rollout.agents.base import AgentLoop, append_turn, start_session
 from trellis.engine.rollout.agents.gateway_loop import GatewayLoop
-from trellis.engine.rollout.agents.generate import budget_of, generate, generate_streaming
+from trellis.engine.rollout.agents.generate import backend_prompt, budget_of, generate, generate_streaming
 from trellis.engine.rollout.agents.tool_calls import ToolCall, parse_tool_calls
 from trellis.engine.rollout.agents.tools import ToolResult, ToolRunner
 
@@ -62,7 +62,7 @@ class ToolLoop:
             lefts = [budget_of(s, params) - len(s.response_ids) for s in active]
             seed = None if params.seed is None else params.seed + turn
             turn_params = dataclasses.replace(params, max_new_tokens=max(lefts), seed=seed)
-            generations = backend.generate([s.prompt_ids + s.response_ids for s in active], turn_params, lefts)
+            generations = backend.generate([backend_prompt(s) for s in active], turn_params, lefts)
             calling: list[tuple[RolloutSample, list[ToolCall]]] = []
             for sample, generation, left in zip(active, generations, lefts):
                 calls = self._add_turn(sample, generation, left, backend.policy_version)

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from trellis.engine.data.samples import RolloutSample, Status
-from trellis.engine.rollout.backends.base import Generation, RolloutBackend, SamplingParams
+from trellis.engine.rollout.backends.base import Generation, ImagePrompt, RolloutBackend, SamplingParams
 
 
 def generate(
@@ -28,9 +28,15 @@ def generate(
     if not samples:
         return
     lefts, step_params = _budgets(samples, params)
-    generations = backend.generate([s.prompt_ids + s.response_ids for s in samples], step_params, lefts)
+    generations = backend.generate([backend_prompt(s) for s in samples], step_params, lefts)
     for sample, generation, left in zip(samples, generations, lefts):
         extend(sample, generation, left, backend.policy_version, decode)
+
+
+def backend_prompt(sample: RolloutSample) -> list[int]:
+    """What a backend continues: the prompt and the response so far, with the prompt's images."""
+    ids = sample.prompt_ids + sample.response_ids
+    return ImagePrompt(ids, sample.images) if sample.images else ids
 
 
 def generate_streaming(
@@ -44,7 +50,7 @@ def generate_streaming(
         return
     lefts, step_params = _budgets(samples, params)
     version = backend.policy_version
-    for index, generation in backend.stream([s.prompt_ids + s.response_ids for s in samples], step_params, lefts):
+    for index, generation in backend.stream([backend_prompt(s) for s in samples], step_params, lefts):
         extend(samples[index], generation, lefts[index], version, decode)
         yield samples[index]
 

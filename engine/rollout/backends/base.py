@@ -1,5 +1,6 @@
-"""The rollout backend contract: every backend (transformers, vLLM) takes token ids in and returns
-response token ids, their logprobs under the sampling policy, text and a finish reason out."""
+"""The rollout backend contract: every backend (transformers, vLLM) takes token ids in (with their
+images, for a vision-language policy: ``ImagePrompt``) and returns response token ids, their
+logprobs under the sampling policy, text and a finish reason out."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ from typing import Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 import torch
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class ImagePrompt(list):
+    """A vision-language prompt: its token ids (each image's placeholder expanded to its token count)
+    with the images they stand for (``engine.vision.images.PromptImage``). A plain list of ids
+    everywhere else, so text backends and callers see no difference."""
+
+    def __init__(self, token_ids: Sequence[int], images: Sequence[object]) -> None:
+        super().__init__(token_ids)
+        self.images = tuple(images)
+
+
+def prompt_images(prompt: Sequence[int]) -> tuple:
+    return getattr(prompt, "images", ())
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,15 @@ import warnings
 from typing import Iterator, Mapping, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from trellis.engine.data.token_rows import left_pad, unique_rows
 from trellis.engine.moe.routers import find_routers
 from trellis.engine.moe.routing import RouterHooks
-from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend, prompt_images
+from trellis.engine.vision.models import policy_auto_class
+from trellis.engine.vision.positions import mrope_positions
+from trellis.engine.vision.processor import VisionProcessor
 
 _NEG_INF = float("-inf")
 # transformers 5.24 renames `past_key_values` to `cache`; 5.17 (the GPU image) knows only the old name.
@@ -43,7 +46,8 @@ class TransformersRollout(StreamingBackend):
         self._abort = threading.Event()
         self._tokenizer = tokenizer
         self._device = torch.device(device)
-        self._model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self._device).eval()
+        self._model = policy_auto_class(model_path).from_pretrained(model_path, dtype=dtype).to(self._device).eval()
+        self._vision = VisionProcessor.of_model(model_path)  # None for a text-only policy
         self._model.requires_grad_(False)
         self._routing = RouterHooks(self._model) if capture_routing and find_routers(self._model) else None
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
@@ -62,15 +66,20 @@ class TransformersRollout(StreamingBackend):
         stop_ids = torch.tensor(sorted(set(self._eos_ids) | set(params.stop_token_ids)), device=self._device)
 
         # Identical prompts (a GRPO group) are prefilled once; their KV cache is then copied per sample.
-        rows, row_index = unique_rows(prompts)
+        images = [prompt_images(prompt) for prompt in prompts]
+        rows, row_index = unique_rows(prompts, [tuple(image.ref.sha256 for image in row) for row in images])
         row_of_sample = torch.tensor(row_index, device=self._device)
         input_ids, attention_mask = (t.to(self._device) for t in left_pad(rows, self._pad_id))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        vision: dict[str, torch.Tensor] = {}
+        if any(images):
+            vision, position_ids = self._vision_prefill(rows, [images[row_index.index(r)] for r in range(len(rows))], input_ids.size(1))
         cache = DynamicCache()
-        logits, route_BLK = self._forward(input_ids, attention_mask, position_ids, cache)
+        logits, route_BLK = self._forward(input_ids, attention_mask, position_ids, cache, **vision)
         if len(rows) < len(prompts):
             cache.reorder_cache(row_of_sample)
-            logits, attention_mask, position_ids = (t.index_select(0, row_of_sample) for t in (logits, attention_mask, position_ids))
+            logits, attention_mask = (t.index_select(0, row_of_sample) for t in (logits, attention_mask))
+            position_ids = position_ids.index_select(-2, row_of_sample)
             route_BLK = route_BLK.index_select(0, row_of_sample) if route_BLK is not None else None
         batch = len(prompts)
         limit_B = torch.tensor(limits if limits is not None else [params.max_new_tokens] * batch, device=self._device)
@@ -104,7 +113,7 @@ class TransformersRollout(StreamingBackend):
             if bool(finished.all()):
                 return
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
+            position_ids = position_ids.amax(dim=-1, keepdim=True) + 1  # a multimodal prompt's last position is its largest
             logits, route_BLK = self._forward(tokens_BT[:, t : t + 1], attention_mask, position_ids, cache)
         for row in (~finished).nonzero().flatten().tolist():  # interrupted
             yield row, self._generation(tokens_BT, logprobs_BT, lengths_B, routes_BTLK, row, "abort")
@@ -135,7 +144,23 @@ class TransformersRollout(StreamingBackend):
     def onload(self) -> None:
         """Nothing was offloaded; see ``offload``."""
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _vision_prefill(self, rows, row_images, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The vision tower's inputs for the distinct prompts' images, and their multimodal positions
+        [3, rows, width] (left-padded as the ids are)."""
+        if self._vision is None:
+            raise ValueError("Prompts with images reached a rollout model without a vision tower.")
+        inputs = self._vision.inputs([image.decode() for images in row_images for image in images])
+        grids = iter(inputs.grids)
+        position_ids = torch.zeros(3, len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            row_grids = [next(grids) for _ in row_images[r]]
+            position_ids[:, r, width - len(row) :] = mrope_positions(
+                row, row_grids, image_token_id=self._vision.image_token_id, merge_size=self._vision.merge_size
+            )
+        vision = {"pixel_values": inputs.pixel_values.to(self._device, self._model.dtype), "image_grid_thw": inputs.image_grid_thw.to(self._device)}
+        return vision, position_ids.to(self._device)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **vision) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The last position's logits per row, and with routing capture that position's experts [B, L, K]."""
         arguments = dict(
             input_ids=input_ids,
@@ -144,6 +169,7 @@ class TransformersRollout(StreamingBackend):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **vision,
         )
         if self._routing is None:
             return self._model(**arguments).logits[:, -1, :].float(), None
