@@ -216,6 +216,9 @@ class TrainWorkerConfig(Frozen):
     pack_max_length: int = Field(4096, gt=0, description="Token budget of one micro-batch.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more compute.")
+    freeze_vision: bool = Field(
+        True, description="A vision-language policy's vision tower (and its merger) stays as loaded; false trains it too."
+    )
     layout: Literal["auto", "packed", "padded", "shared_prefix"] = Field(
         "auto",
         description="How a micro-batch meets the model. packed: sequences end to end in one row with "

@@ -17,6 +17,7 @@ import torch
 from trellis.engine.algo.advantages import compute_group_advantages, estimator
 from trellis.engine.config import AdvantageConfig
 from trellis.engine.data.samples import RolloutSample, Status
+from trellis.engine.vision.images import PromptImage
 
 logger = logging.getLogger(__name__)
 IGNORE = -100
@@ -33,6 +34,7 @@ class TrainSequence:
     # MoE: the rollout engine's experts for the positions from prompt_length - 1 on, one per response
     # token ([R, layers, K]); None where the rollout recorded none, or not all of it.
     routed_experts: torch.Tensor | None = None
+    images: tuple[PromptImage, ...] = ()  # a vision-language prompt's, in placeholder order
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +96,7 @@ def build_sequence(sample: RolloutSample, advantage: float) -> TrainSequence:
         rollout_id=sample.rollout_id,
         prompt_length=len(prompt),
         routed_experts=_whole_routing(sample),
+        images=tuple(sample.images),
     )
 
 

@@ -15,7 +15,6 @@ from typing import Iterator, Literal
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from trellis.engine.config import LoraConfig, TrellisConfig
 from trellis.engine.storage.checkpoints import (
@@ -32,6 +31,7 @@ from trellis.engine.storage.lineage import checkpoint_step
 from trellis.engine.train.lora import PolicyAdapters, from_peft_folder_state, lora_of_peft_folder, merged_weights
 from trellis.engine.train.sharded_checkpoint import is_sharded, load_sharded
 from trellis.engine.train.worker_checkpoint import ADAPTER_FILE
+from trellis.engine.vision.models import policy_auto_class
 
 PEFT_CONFIG = "adapter_config.json"
 
@@ -88,7 +88,7 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
     folder_store = Store(source.uri, options)
     if source.kind == "hf" and not folder_store.join(PEFT_CONFIG).exists():
         with local_folder(folder_store) as folder:
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            return policy_auto_class(folder).from_pretrained(folder, dtype=torch.float32).eval()
     model = _base_policy(config)  # the architecture; its weights are replaced
     if source.kind == "hf":
         with folder_store.join(PEFT_CONFIG).open("r") as handle:
@@ -119,7 +119,7 @@ def load_policy(config: TrellisConfig, source: PolicySource) -> torch.nn.Module:
 
 def _base_policy(config: TrellisConfig) -> torch.nn.Module:
     with local_folder(Store(config.load_from, config.storage_options)) as folder:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return policy_auto_class(folder).from_pretrained(folder, dtype=torch.float32)
 
 
 def _merged(config: TrellisConfig, model: torch.nn.Module, lora: LoraConfig, adapters: dict, uri: str) -> torch.nn.Module:

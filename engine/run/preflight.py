@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from trellis.engine.config import DatasetConfig, TrellisConfig
+from trellis.engine.vision.models import policy_auto_class
 from trellis.engine.errors import SettingError
 from trellis.engine.moe.checks import moe_setting_problems
 from trellis.engine.moe.routers import config_moe_shape
@@ -98,7 +99,7 @@ def _lora_problems(config: TrellisConfig, model_json: dict, name: str) -> list[s
     try:
         hf_config = AutoConfig.for_model(**model_json)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = policy_auto_class(hf_config).from_config(hf_config)
     except (ValueError, KeyError, TypeError) as error:
         return [f"lora: cannot build {name} from its config.json to check lora.target_modules: {error}"]
     unmatched = unmatched_targets(model, config.lora)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trellis.engine.train.vision_batch import policy_body
+
 
 class Policy(torch.nn.Module):
     """A micro-batch in, its labels' logprobs and entropies out.
@@ -44,7 +46,7 @@ def batch_logprobs(
     """
     index_K = batch.label_index_K  # row-major positions of the labels in the [N, L] rows
     logprobs_K, entropy_K = label_logprobs(
-        batch.label_hidden(model.get_decoder()),
+        batch.label_hidden(policy_body(model)),
         model.get_output_embeddings(),
         batch.labels_NL.flatten().index_select(0, index_K),
         temperature=temperature,

@@ -24,6 +24,7 @@ import torch
 
 from trellis.engine.data.prepare import IGNORE, TrainSequence
 from trellis.engine.moe.replay_rows import replay_rows
+from trellis.engine.train.vision_batch import VisionRows
 
 
 class LabelRows:
@@ -42,7 +43,8 @@ class LabelRows:
     def to(self, device: torch.device) -> Self:
         """The same layout with every tensor on ``device`` (layouts are dataclasses)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{name: value.to(device) for name, value in values.items() if isinstance(value, torch.Tensor)})
+        movable = (torch.Tensor, VisionRows)
+        return replace(self, **{name: value.to(device) for name, value in values.items() if isinstance(value, movable)})
 
 
 @dataclass
@@ -59,6 +61,7 @@ class MicroBatch(LabelRows):
     # MoE: recorded experts over the N x L token slots and where they apply (engine.moe.replay_rows)
     routed_experts_TLK: torch.Tensor | None = None
     routed_mask_T: torch.Tensor | None = None
+    vision: VisionRows | None = None  # a vision-language policy's images and positions (engine.train.vision_batch)
 
     @property
     def tokens_T(self) -> torch.Tensor:
@@ -67,7 +70,8 @@ class MicroBatch(LabelRows):
 
     def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
         """Last hidden states of the labelled positions: [K, H]."""
-        hidden_NLH = decoder(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL).last_hidden_state
+        images = self.vision.model_inputs() if self.vision is not None else {}
+        hidden_NLH = decoder(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL, **images).last_hidden_state
         return hidden_NLH.flatten(0, 1).index_select(0, self.label_index_K)
 
 
@@ -191,15 +195,17 @@ class PackedBatch(LabelRows):
     routed_experts_TLK: torch.Tensor | None = None
     routed_mask_T: torch.Tensor | None = None
     real_tokens: int = 0  # the row's tokens before any fill
+    vision: VisionRows | None = None
 
     @property
     def tokens_T(self) -> torch.Tensor:
         return torch.arange(self.input_ids_1T.size(1), device=self.input_ids_1T.device) < self.real_tokens
 
     def label_hidden(self, decoder: torch.nn.Module) -> torch.Tensor:
+        images = self.vision.model_inputs() if self.vision is not None else {"position_ids": self.position_ids_1T}
         hidden_1TH = decoder(
             input_ids=self.input_ids_1T,
-            position_ids=self.position_ids_1T,
+            **images,
             cu_seq_lens_q=self.cu_seq_lens,
             cu_seq_lens_k=self.cu_seq_lens,
             max_length_q=self.max_length,

@@ -133,4 +133,8 @@ def use_varlen_attention(model: torch.nn.Module, kernel: str = "torch") -> None:
     (``torch``) or FlashAttention-4 (``fa4``; check ``fa4_unavailable`` first)."""
     name, function = (NAME_FA4, varlen_attention_fa4) if kernel == "fa4" else (NAME, varlen_attention)
     AttentionInterface.register(name, function)
-    model.set_attn_implementation(name)
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None:  # a vision-language policy's tower keeps its own attention: its rows are not packed
+        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation or "sdpa"})
+    else:
+        model.set_attn_implementation(name)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from trellis.engine.algo.losses import (
     aggregate,
@@ -41,6 +40,9 @@ from trellis.engine.train.tally import (
     split_evenly,
 )
 from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
+from trellis.engine.train.vision_batch import with_vision
+from trellis.engine.vision.models import policy_auto_class
+from trellis.engine.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,10 @@ class TrainingWorker:
         self._temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
         # A LoRA policy's frozen base needs no float32 master copy where the compute is bf16 anyway.
         base_dtype = torch.bfloat16 if config.lora is not None and self._autocast else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(config.load_from, dtype=base_dtype).to(self.device)
+        self.model = policy_auto_class(config.load_from).from_pretrained(config.load_from, dtype=base_dtype).to(self.device)
+        self.vision = VisionProcessor.of_model(config.load_from)  # None for a text-only policy
+        if self.vision is not None and worker.freeze_vision:
+            self.model.model.visual.requires_grad_(False)
         output_head(self.model)  # refuses models whose logits are not head(hidden state)
         self.adapters = (
             PolicyAdapters(self.model, config.lora, where=config.load_from, seed=config.seed) if config.lora is not None else None
@@ -188,14 +193,18 @@ class TrainingWorker:
     def _micro_batches(self, sequences: list[TrainSequence]) -> list[Layout]:
         layout = self._layout
         # The routers of an MoE policy must see each token once per forward, in one row order.
-        if layout == "shared_prefix" and (not can_share(sequences) or self.routing.is_moe):
+        # ... and a vision-language prompt's images are not part of the prefix the layout shares.
+        if layout == "shared_prefix" and (not can_share(sequences) or self.routing.is_moe or self.vision is not None):
             layout = "padded"
         budget = self.config.train_worker.pack_max_length
         lay_out = LAYOUTS[layout]
         if layout == "packed" and self._cuda_graphs:
             lay_out = functools.partial(to_packed, row_length=budget)
         packs = pack(sequences, budget, keep_order=layout == "shared_prefix")
-        return [lay_out(sequences, indices, self._pad_id).to(self.device) for indices in packs]
+        batches = [lay_out(sequences, indices, self._pad_id) for indices in packs]
+        if self.vision is not None:
+            batches = [with_vision(batch, [sequences[i] for i in indices], self.vision) for batch, indices in zip(batches, packs)]
+        return [batch.to(self.device) for batch in batches]
 
     def _policy(self, model: torch.nn.Module) -> Policy:
         worker = self.config.train_worker

@@ -127,7 +127,7 @@ def _load_full_weights(worker: TrainingWorker, checkpoint: Store) -> None:
 
 
 def export_hf(worker: TrainingWorker, target: Store, tokenizer_source: str) -> None:
-    """``save_pretrained`` model and tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it); a LoRA
+    """``save_pretrained`` model, tokenizer and a VL policy's image processor (``from_pretrained`` loads it); a LoRA
     policy's is a PEFT adapter folder (``PeftModel.from_pretrained`` over load_from)."""
     weights = fsdp.full_tensors(worker.model.state_dict())  # every rank takes part in gathering the full tensors
     if worker.rank != 0:
@@ -147,4 +147,8 @@ def export_hf(worker: TrainingWorker, target: Store, tokenizer_source: str) -> N
                 merged = {name: t.contiguous() for name, t in worker.adapters.merged(weights).items()}
                 worker.model.save_pretrained(f"{folder}/merged", state_dict=merged, safe_serialization=True)
                 tokenizer.save_pretrained(f"{folder}/merged")
+                if worker.vision is not None:
+                    worker.vision.save(f"{folder}/merged")
         tokenizer.save_pretrained(folder)
+        if worker.vision is not None:
+            worker.vision.save(folder)

@@ -51,6 +51,10 @@ class VisionProcessor:
             )
         return cls(AutoImageProcessor.from_pretrained(model_path), image_token_id=config.image_token_id, model_name=model_path)
 
+    def save(self, folder: str) -> None:
+        """Beside an exported model, so that the folder loads as a whole policy."""
+        self._image_processor.save_pretrained(folder)
+
     def inputs(self, images: Sequence[Image.Image]) -> VisionInputs:
         out = self._image_processor(images=list(images), return_tensors="pt")
         return VisionInputs(out["pixel_values"], out["image_grid_thw"].long())

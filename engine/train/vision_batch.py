@@ -1,0 +1,75 @@
+"""The vision half of a training micro-batch (a vision-language policy): its images' pixel values and
+grids, and multimodal positions for every token, laid out as the micro-batch lays out its ids.
+
+The images travel with the sequences as encoded files (``PromptImage``); each rank turns its own
+micro-batches into pixels, so no pixel tensor crosses the cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from trellis.engine.data.prepare import TrainSequence
+from trellis.engine.vision.positions import mrope_positions
+from trellis.engine.vision.processor import VisionProcessor
+
+
+@dataclass
+class VisionRows:
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    # packed: [4, 1, T], row 0 the positions within each sequence (where attention finds the
+    # boundaries), rows 1-3 the multimodal ones; padded: [3, N, L]
+    position_ids: torch.Tensor
+
+    def to(self, device: torch.device) -> VisionRows:
+        return VisionRows(*(t.to(device) for t in (self.pixel_values, self.image_grid_thw, self.position_ids)))
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The vision tower casts the pixel values to its own dtype."""
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "position_ids": self.position_ids}
+
+
+def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionProcessor) -> Any:
+    """``batch`` (a packed or padded layout of ``sequences``) with its ``vision`` rows; unchanged when
+    none of the sequences has an image."""
+    if not any(seq.images for seq in sequences):
+        return batch
+    inputs = processor.inputs([image.decode() for seq in sequences for image in seq.images])
+    grids = iter(inputs.grids)
+    positions = [
+        mrope_positions(seq.input_ids, [next(grids) for _ in seq.images], image_token_id=processor.image_token_id, merge_size=processor.merge_size)
+        for seq in sequences
+    ]
+    if hasattr(batch, "position_ids_1T"):  # packed: one row, a fill sequence at the end where the shape is fixed
+        text_1T = batch.position_ids_1T
+        fill = text_1T.size(1) - sum(p.size(1) for p in positions)
+        rows_3T = torch.cat([*positions, torch.arange(fill).expand(3, -1)], dim=1)
+        position_ids = torch.cat([text_1T.to(rows_3T.device), rows_3T]).unsqueeze(1)
+    else:
+        position_ids = torch.zeros(3, *batch.input_ids_NL.shape, dtype=torch.long)
+        for row, rows_3L in enumerate(positions):
+            position_ids[:, row, : rows_3L.size(1)] = rows_3L
+    return replace(batch, vision=VisionRows(inputs.pixel_values, inputs.image_grid_thw, position_ids))
+
+
+def policy_body(model: torch.nn.Module):
+    """What turns a layout's inputs into last hidden states: the decoder of a text policy; for a
+    vision-language one, the vision tower's image features scattered into the token embeddings,
+    then its language model (called apart, so that packed attention's arguments reach only it)."""
+    if getattr(model.config, "vision_config", None) is None:
+        return model.get_decoder()
+    return functools.partial(_vision_language_hidden, model.model)
+
+
+def _vision_language_hidden(body: torch.nn.Module, *, input_ids, pixel_values=None, image_grid_thw=None, **kwargs):
+    embeds = body.get_input_embeddings()(input_ids)
+    if pixel_values is not None:
+        features = torch.cat(body.get_image_features(pixel_values, image_grid_thw, return_dict=True).pooler_output)
+        image_mask, _ = body.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
+        embeds = embeds.masked_scatter(image_mask, features.to(embeds.dtype))
+    return body.language_model(inputs_embeds=embeds, **kwargs)

@@ -1,0 +1,95 @@
+"""Training a vision-language policy (issue 34): the trainer recomputes the rollout's logprobs of
+image prompts (pixels and multimodal positions the same on both sides) in the packed and the padded
+layout; the vision tower is frozen by default and trains when asked; the HF export loads back whole,
+with its image processor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from trellis.engine.config.loading import load_config
+from trellis.engine.data.prepare import prepare_train_data
+from trellis.engine.data.prompts import load_prompts
+from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
+from trellis.engine.rollout.production.produce import rollout_groups, sampling_params
+from trellis.engine.rollout.rewards.runner import RewardRunner
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny import shapes_task
+from trellis.engine.tiny.vlm import save_tiny_vlm
+from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.vision.processor import VisionProcessor
+
+
+def _config(path, data, **changes):
+    return load_config(
+        None,
+        load_from=path,
+        train_dataset={"path": str(data)},
+        reward={"function": "trellis.engine.tiny.shapes_task:score"},
+        rollout={"max_new_tokens": 4},
+        total_train_steps=4,
+        train_batch_size=4,
+        **changes,
+    )
+
+
+@pytest.fixture(scope="module")
+def vlm_batch(tmp_path_factory):
+    """Four pictures x 4 samples from the tiny random VL model; rewards set by hand (a random model
+    rarely counts right), so every group has signal."""
+    folder = tmp_path_factory.mktemp("vlm_train")
+    path = str(save_tiny_vlm(folder / "model", seed=1))
+    data = shapes_task.write_dataset(folder / "shapes.parquet", count=8, seed=2)
+    config = _config(path, data)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts, _ = load_prompts(config.train_dataset, tokenizer, VisionProcessor.of_model(path))
+    with RewardRunner(config.reward) as rewards:
+        produced = rollout_groups(
+            [(0, prompt) for prompt in prompts[:4]], repeat=4, backend=TransformersRollout(path, tokenizer), rewards=rewards,
+            params=sampling_params(config.rollout, seed=0), train_step=1, id_prefix="v-",
+        )
+    for group in produced.groups:
+        for k, sample in enumerate(group):
+            sample.reward = float(k % 2)
+    return path, data, produced.groups, tokenizer.pad_token_id
+
+
+def _fit(config, groups, pad_id):
+    worker = TrainingWorker(config, total_train_steps=4, pad_token_id=pad_id)
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    result = worker.fit(prepare_train_data(groups, config.advantage, shuffle=False, seed=0), 1)
+    return worker, before, result
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_the_trainer_recomputes_the_rollouts_logprobs_of_image_prompts(vlm_batch, layout):
+    path, data, groups, pad_id = vlm_batch
+    assert all(sample.images for group in groups for sample in group)
+    _, _, result = _fit(_config(path, data, train_worker={"layout": layout}), groups, pad_id)
+    # The same float32 weights on both sides: any gap would be pixels or positions that differ.
+    assert result.metrics["mismatch/k3_kl"] < 1e-7
+    assert result.metrics["grad_norm"] > 0
+
+
+def test_the_vision_tower_is_frozen_by_default_and_trains_when_asked(vlm_batch):
+    path, data, groups, pad_id = vlm_batch
+    for freeze in (True, False):
+        worker, before, _ = _fit(_config(path, data, train_worker={"freeze_vision": freeze, "layout": "padded"}), groups, pad_id)
+        moved = {n for n, p in worker.model.named_parameters() if not torch.equal(p, before[n])}
+        vision = {n for n in before if n.startswith("model.visual.")}
+        assert vision and moved - vision, "the language model trains either way"
+        assert (moved & vision == set()) if freeze else (moved & vision == vision)
+
+
+def test_the_hf_export_loads_back_with_its_image_processor(vlm_batch, tmp_path):
+    path, data, groups, pad_id = vlm_batch
+    worker, _, _ = _fit(_config(path, data, train_worker={"layout": "padded"}), groups, pad_id)
+    worker.export_hf(Store(str(tmp_path / "hf")), path)
+
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
+    trained = worker.model.state_dict()
+    assert all(torch.equal(tensor, trained[name]) for name, tensor in loaded.state_dict().items())
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    assert processor.merge_size == 2 and processor.patch_size == 14
