@@ -31,13 +31,16 @@ def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder for the HF checkpoint (model + tokenizer).")],
     data: Annotated[Optional[Path], typer.Option(help="Also write train/eval Parquet prompts of the task here.")] = None,
     warmup: Annotated[bool, typer.Option(help="Warm the model up on the task (reverse ~10 s, lookup ~30 s).")] = True,
-    task: Annotated[str, typer.Option(help="reverse (one turn) or lookup (a tool call, then the answer).")] = "reverse",
+    task: Annotated[str, typer.Option(help="reverse (one turn), lookup (a tool call, then the answer) or shapes (images).")] = "reverse",
     moe: Annotated[bool, typer.Option(help="A mixture-of-experts policy (Qwen3-MoE, 8 experts, top-2); reverse task only.")] = False,
+    vlm: Annotated[bool, typer.Option(help="The vision-language policy (Qwen2-VL) on the shapes task: same as --task shapes.")] = False,
 ) -> None:
-    """Build the bundled tiny Qwen2 model (or Qwen3-MoE with --moe) and tokenizer offline."""
-    from trellis.engine.tiny import lookup_task, reverse_task
+    """Build the bundled tiny Qwen2 model (Qwen3-MoE with --moe, Qwen2-VL with --vlm) and tokenizer offline."""
+    from trellis.engine.tiny import lookup_task, reverse_task, shapes_task
 
-    tasks = {"reverse": reverse_task, "lookup": lookup_task}
+    tasks = {"reverse": reverse_task, "lookup": lookup_task, "shapes": shapes_task}
+    if vlm:
+        task = "shapes"
     if task not in tasks:
         raise typer.BadParameter(f"unknown task {task!r}: one of {sorted(tasks)}", param_hint="--task")
     module = tasks[task]

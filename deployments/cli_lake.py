@@ -229,6 +229,8 @@ def trajectories_show(
         typer.echo("")
         typer.secho(f"{group}  ({len(members)} responses, {mean})", bold=True)
         typer.echo(_labelled("prompt", members[0]["prompt"], max_chars))
+        for image in members[0]["images"]:
+            typer.echo(_labelled("image", image, 0))
         if members[0]["label"] is not None:
             typer.echo(_labelled("label", members[0]["label"], max_chars))
         for member in members:

@@ -9,7 +9,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from trellis.engine.tiny.vlm import IMAGE_PAD, MERGE_SIZE, PATCH_SIZE, build_vlm_model, build_vlm_tokenizer
-from trellis.engine.vision.positions import expand_image_placeholders, extend_positions, mrope_positions
+from trellis.engine.vision.positions import collapse_image_placeholders, expand_image_placeholders, extend_positions, mrope_positions
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,10 @@ def test_expanding_refuses_more_images_than_placeholders():
 def test_text_only_positions_are_the_plain_range():
     positions = extend_positions(mrope_positions([3, 4, 5], [], image_token_id=9, merge_size=2), 2)
     assert positions.tolist() == [[0, 1, 2, 3, 4]] * 3
+
+
+def test_collapsing_placeholders_undoes_their_expansion():
+    ids = [1, 9, 7, 8, 2, 9, 7, 8, 3]  # 9 starts an image, 7 is its placeholder, 8 ends it
+    expanded = expand_image_placeholders(ids, [(1, 4, 4), (1, 2, 6)], image_token_id=7, merge_size=2)
+    assert expanded.count(7) == 4 + 3
+    assert collapse_image_placeholders(expanded, image_token_id=7) == ids

@@ -79,3 +79,19 @@ def test_a_text_prompt_on_the_vision_model_still_generates(vlm):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "count red"}], add_generation_prompt=True, tokenize=True, return_dict=False)
     generation = TransformersRollout(path, tokenizer).generate([ids], SamplingParams(max_new_tokens=3, temperature=0.0))[0]
     assert len(generation.response_ids) >= 1 and generation.finish_reason in ("stop", "length")
+
+
+def test_a_response_never_holds_an_image_placeholder(vlm):
+    """A run's step failed on a sampled <|image_pad|> before the ban: the trainer read it as an image
+    token without an image. The ban only decides what may be drawn; the logprob is the full softmax's."""
+    from trellis.engine.rollout.backends.transformers_backend import sample_tokens
+
+    _, _, vision, _ = vlm
+    logits = torch.zeros(64, 290)
+    logits[:, vision.special_token_ids] = 8.0  # the placeholders are the likeliest tokens by far
+    banned = torch.tensor(vision.special_token_ids)
+    for temperature in (0.0, 1.0):
+        tokens, logprobs = sample_tokens(logits, SamplingParams(max_new_tokens=1, temperature=temperature), torch.Generator().manual_seed(0), banned)
+        assert not set(tokens.tolist()) & set(vision.special_token_ids)
+        expected = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs, expected)

@@ -188,8 +188,10 @@ def show_step(ref: RunRef, step: int, split: str = "train", limit: int | None = 
         raise RunNotFoundError(_missing_step(ref, fs, path, split, step))
     columns = ["group_id", "prompt", "label", "response", "reward", "status", "finish_reason"]
     with fs.open(part, "rb") as handle:
+        stored = pq.read_schema(handle).names
+        handle.seek(0)
         # Threads reading a Python file object can abort the interpreter at its exit (apache/arrow#34314).
-        rows = pq.read_table(handle, columns=columns, use_threads=False).to_pylist()
+        rows = pq.read_table(handle, columns=columns + ["images"] * ("images" in stored), use_threads=False).to_pylist()
     groups: set[str] = set()
     shown = []
     for row in rows:
@@ -198,7 +200,8 @@ def show_step(ref: RunRef, step: int, split: str = "train", limit: int | None = 
                 continue
             groups.add(row["group_id"])
         group, messages = row.pop("group_id"), row.pop("prompt")
-        shown.append({"group": group, "prompt": prompt_text(messages), **row})
+        images = [cell["uri"] or f"sha256:{cell['sha256']}" for cell in row.pop("images", None) or []]
+        shown.append({"group": group, "prompt": prompt_text(messages), "images": images, **row})
     return shown
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trellis.engine.storage.report_samples import pictures_html, sample_pictures
 from trellis.engine.storage.store import Store
 
 Records = list[dict[str, Any]]
@@ -90,7 +91,8 @@ def write_report(run: Store, out_uri: str | None = None) -> Report:
     for name, png in pngs.items():
         fs.pipe_file(f"{out_path}/{name}.png", png)
         png_uris[name] = f"{out_uri}/{name}.png"
-    fs.pipe_file(f"{out_path}/index.html", render_html(run_uri, headline, pngs).encode())
+    pictures = pictures_html(sample_pictures(run))
+    fs.pipe_file(f"{out_path}/index.html", render_html(run_uri, headline, pngs, pictures).encode())
     return Report(html_uri=f"{out_uri}/index.html", png_uris=png_uris, headline=headline)
 
 
@@ -205,7 +207,8 @@ def format_figure(value: int | float) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def render_html(run_uri: str, headline: dict[str, Any], pngs: dict[str, bytes]) -> str:
+def render_html(run_uri: str, headline: dict[str, Any], pngs: dict[str, bytes], pictures: str = "") -> str:
+    """``pictures``: the section of prompt images (``engine.storage.report_samples``), if any."""
     name = html.escape(run_uri.rsplit("/", 1)[-1])
     table = "\n".join(
         f"<tr><th>{html.escape(label)}</th><td>{html.escape(text)}</td></tr>" for label, text in headline_rows(headline)
@@ -225,6 +228,9 @@ table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: left; }}
 figure {{ margin: 0 0 1.5em 0; }}
 img {{ max-width: 100%; }}
+.samples {{ display: flex; flex-wrap: wrap; gap: 1em; }}
+.sample {{ border: 1px solid #ccc; padding: 0.5em; width: 16em; }}
+.thumb {{ image-rendering: pixelated; width: 128px; }}
 </style>
 </head>
 <body>
@@ -234,6 +240,7 @@ img {{ max-width: 100%; }}
 {table}
 </table>
 {figures}
+{pictures}
 </body>
 </html>
 """

@@ -21,6 +21,7 @@ CELL, GRID = 28, 3
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220)}
 SHAPES = ("square", "circle")
 DATA_SOURCE = "shapes"
+EVAL_SEED_OFFSET = 3_000_017  # held-out pictures come from a separate random stream
 
 
 def make_example(rng: random.Random) -> tuple[Image.Image, str, str]:
@@ -63,3 +64,11 @@ def write_dataset(path: str | Path, count: int, seed: int) -> Path:
 
 
 score = exact_match  # 1.0 iff the stripped response is the count
+
+
+def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
+    """The tiny vision-language model, tokenizer and image processor, warmed up on this task
+    (``trellis tiny-model --vlm``)."""
+    from trellis.engine.tiny.vlm import save_tiny_vlm
+
+    return save_tiny_vlm(out_dir, warmup=warmup)

@@ -8,6 +8,7 @@ with it the seeded initialization the text model's pinned warm-up depends on.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -25,6 +26,9 @@ from trellis.engine.tiny.reverse_task import make_example
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"  # in the vocabulary for vLLM's config checks; trellis takes no video
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+# Held-out accuracy of the first answer token climbs from the answer prior (~0.33) at step 200 to
+# ~0.77 by step 250 (lr 3e-4, batch 32, data seed 1); 220 lands at ~0.54, leaving RL room to learn.
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_SEED = 220, 32, 1
 _TOKEN_IDS = {  # the config's id fields, and the tokens they name
     "image_token_id": IMAGE_PAD,
     "video_token_id": VIDEO_PAD,
@@ -97,12 +101,58 @@ def build_image_processor() -> Qwen2VLImageProcessor:
     )
 
 
-def save_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
-    """The tiny VL model, its tokenizer and image processor as one HF folder (random weights)."""
+def save_tiny_vlm(out_dir: str | Path, seed: int = 0, *, warmup: bool = False) -> Path:
+    """The tiny VL model, its tokenizer and image processor as one HF folder; ``warmup``: trained on
+    the shapes task first (``warm_up``), else random weights."""
     out_dir = Path(out_dir)
     tokenizer = build_vlm_tokenizer(seed)
+    model = build_vlm_model(tokenizer, seed)
+    if warmup:
+        warm_up(model, tokenizer, build_image_processor())
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_vlm_model(tokenizer, seed).save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     build_image_processor().save_pretrained(out_dir)
     return out_dir
+
+
+def warm_up(model, tokenizer, processor, *, steps: int = WARMUP_STEPS, seed: int = WARMUP_SEED) -> None:
+    """Supervised steps on the shapes task, vision tower included, ~20 s on 2 cores."""
+    from trellis.engine.tiny.shapes_task import make_example
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.98))
+    model.train()
+    for _ in range(steps):
+        loss = model(**supervised_batch(tokenizer, processor, [make_example(rng) for _ in range(WARMUP_BATCH)])).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def supervised_batch(tokenizer, processor, examples) -> dict[str, torch.Tensor]:
+    """Right-padded rows of (image prompt, answer): the loss on the answer and its closing <|im_end|>."""
+    from trellis.engine.tiny.model import IM_END
+    from trellis.engine.vision.positions import expand_image_placeholders
+
+    inputs = processor(images=[image for image, _, _ in examples], return_tensors="pt")
+    image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    rows = []
+    for (_, question, answer), grid in zip(examples, inputs["image_grid_thw"].tolist()):
+        content = [{"type": "image"}, {"type": "text", "text": question}]
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = expand_image_placeholders(prompt, [tuple(grid)], image_token_id=image_token, merge_size=MERGE_SIZE)
+        target = tokenizer(answer + IM_END, add_special_tokens=False)["input_ids"]
+        rows.append((prompt + target, [-100] * len(prompt) + target))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, targets) in enumerate(rows):
+        input_ids[row, : len(ids)], labels[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), torch.tensor(targets), 1
+    return dict(
+        input_ids=input_ids, attention_mask=attention_mask, labels=labels, pixel_values=inputs["pixel_values"],
+        image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(input_ids == image_token).int(),
+    )

@@ -36,6 +36,13 @@ def expand_image_placeholders(
     return [id_ for token in token_ids for id_ in ([token] * next(counts) if token == image_token_id else [token])]
 
 
+def collapse_image_placeholders(token_ids: Sequence[int], *, image_token_id: int) -> list[int]:
+    """The inverse of ``expand_image_placeholders``: each run of placeholders back to one (what vLLM
+    takes with the images, expanding it itself). Images in a chat template sit between their own
+    start and end tokens, so two images never make one run."""
+    return [token for i, token in enumerate(token_ids) if token != image_token_id or i == 0 or token_ids[i - 1] != image_token_id]
+
+
 def mrope_positions(
     token_ids: Sequence[int], image_grids: Sequence[ImageGrid], *, image_token_id: int, merge_size: int
 ) -> torch.Tensor:

@@ -32,9 +32,10 @@ class VisionInputs:
 
 
 class VisionProcessor:
-    def __init__(self, image_processor: Any, *, image_token_id: int, model_name: str) -> None:
+    def __init__(self, image_processor: Any, *, image_token_id: int, special_token_ids: Sequence[int], model_name: str) -> None:
         self._image_processor = image_processor
         self.image_token_id = image_token_id
+        self.special_token_ids = sorted(set(special_token_ids) | {image_token_id})  # what a response may never hold
         self.merge_size = int(image_processor.merge_size)
         self.model_name = model_name
 
@@ -49,7 +50,12 @@ class VisionProcessor:
                 f"{model_path} is a vision-language model ({config.model_type}) without a preprocessor_config.json: "
                 "save its image processor beside it (processor.save_pretrained(path))."
             )
-        return cls(AutoImageProcessor.from_pretrained(model_path), image_token_id=config.image_token_id, model_name=model_path)
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        special = [value for name in names if isinstance(value := getattr(config, name, None), int)]
+        return cls(
+            AutoImageProcessor.from_pretrained(model_path), image_token_id=config.image_token_id, special_token_ids=special,
+            model_name=model_path,
+        )
 
     def save(self, folder: str) -> None:
         """Beside an exported model, so that the folder loads as a whole policy."""

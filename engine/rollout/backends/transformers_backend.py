@@ -48,6 +48,8 @@ class TransformersRollout(StreamingBackend):
         self._device = torch.device(device)
         self._model = policy_auto_class(model_path).from_pretrained(model_path, dtype=dtype).to(self._device).eval()
         self._vision = VisionProcessor.of_model(model_path)  # None for a text-only policy
+        # A response is text: a vision-language policy may not sample its image placeholders.
+        self._banned = torch.tensor(self._vision.special_token_ids, device=self._device) if self._vision is not None else None
         self._model.requires_grad_(False)
         self._routing = RouterHooks(self._model) if capture_routing and find_routers(self._model) else None
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
@@ -97,7 +99,7 @@ class TransformersRollout(StreamingBackend):
         for t in range(params.max_new_tokens):
             if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
                 break
-            token_B, logprob_B = sample_tokens(logits, params, generator)
+            token_B, logprob_B = sample_tokens(logits, params, generator, self._banned)
             alive = ~finished
             tokens_BT[:, t] = torch.where(alive, token_B, self._pad_id)
             logprobs_BT[:, t] = torch.where(alive, logprob_B, 0.0)
@@ -189,19 +191,22 @@ class TransformersRollout(StreamingBackend):
 
 
 def sample_tokens(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator, banned: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return it with its logprob under ``logits / temperature``.
 
     The logprob is taken before top-k / top-p truncation, which is what the trainer recomputes from
-    the same logits; truncation only decides which tokens may be drawn.
+    the same logits; truncation only decides which tokens may be drawn, as ``banned`` does.
     """
     if params.temperature == 0.0:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-        token_B = logprobs_BV.argmax(dim=-1)
+        allowed_BV = logprobs_BV.index_fill(-1, banned, _NEG_INF) if banned is not None else logprobs_BV
+        token_B = allowed_BV.argmax(dim=-1)
         return token_B, logprobs_BV.gather(-1, token_B[:, None]).squeeze(-1)
     logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
     masked_BV = _truncate(logprobs_BV, params.top_k, params.top_p)
+    if banned is not None:
+        masked_BV = masked_BV.index_fill(-1, banned, _NEG_INF)
     probs_BV = torch.softmax(masked_BV, dim=-1)
     token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     return token_B, logprobs_BV.gather(-1, token_B[:, None]).squeeze(-1)

@@ -18,7 +18,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trellis.engine.errors import SettingError
-from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend
+from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend, prompt_images
+from trellis.engine.vision.positions import collapse_image_placeholders
+from trellis.engine.vision.processor import VisionProcessor
 
 # Set before vLLM is imported: one process, so weight hand-over needs no IPC.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -64,9 +66,13 @@ class VllmRollout(StreamingBackend):
         self._quantized = quantization != "none"
         routing = {"enable_return_routed_experts": True} if capture_routing else {}
         routing |= {"quantization": quantization} if self._quantized else {}
+        # A vision-language policy: vLLM's multimodal processor reads the images (and needs the
+        # model folder's tokenizer for that); a response may never hold an image placeholder.
+        self._vision = VisionProcessor.of_model(model_path)
+        self._banned = {token: -100.0 for token in self._vision.special_token_ids} if self._vision is not None else None
         self._llm = LLM(
             model=model_path,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=self._vision is None,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
@@ -103,7 +109,7 @@ class VllmRollout(StreamingBackend):
         for i, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
             limit = params.max_new_tokens if limits is None else limits[i]
             sampling = self._sampling(params, i, limit)
-            internal_ids[request_id] = engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, sampling)
+            internal_ids[request_id] = engine.add_request(request_id, self._request_prompt(prompt), sampling)
         partial: dict[str, tuple[list[int], list[float], np.ndarray | None]] = {}
         try:
             while index_of and engine.has_unfinished_requests():
@@ -122,6 +128,15 @@ class VllmRollout(StreamingBackend):
         for request_id, index in index_of.items():
             ids, logprobs, routed = partial[request_id]
             yield index, self._generation(ids, logprobs, "abort", self._response_routing(routed, len(prompts[index]), len(ids)))
+
+    def _request_prompt(self, prompt: Sequence[int]) -> dict:
+        images = prompt_images(prompt)
+        if not images:
+            return {"prompt_token_ids": list(prompt)}
+        if self._vision is None:
+            raise ValueError("Prompts with images reached a rollout model without a vision tower.")
+        ids = collapse_image_placeholders(prompt, image_token_id=self._vision.image_token_id)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": [image.decode() for image in images]}}
 
     def _generation(self, ids: list[int], logprobs: list[float], reason: FinishReason, routed: torch.Tensor | None = None) -> Generation:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -161,6 +176,7 @@ class VllmRollout(StreamingBackend):
             # One seed per request: the samples of a group must differ, and repeat on a retry.
             seed=None if params.seed is None else (params.seed * 1_000_003 + index) % (2**31 - 1),
             logprobs=0,
+            logit_bias=self._banned,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

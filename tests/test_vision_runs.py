@@ -1,0 +1,99 @@
+"""Whole runs of a vision-language policy (issue 34) on the tiny Qwen2-VL and the shapes task: the
+colocated trainer as Prefect flow runs on the live Ray cluster (images in the lake as references,
+weights synced vision tower included, evaluation, the HF export with its processor, the report's
+pictures, `trajectories show`), and the disaggregated trainer with its replay buffer in process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+from trellis.engine.config.loading import load_config
+from trellis.engine.run.local import LocalRun
+from trellis.engine.storage.lake_query import show_step
+from trellis.engine.storage.runs import RunRef
+from trellis.engine.storage.report import write_report
+from trellis.engine.storage.store import Store
+from trellis.engine.tiny import shapes_task
+from trellis.engine.tiny.vlm import save_tiny_vlm
+from trellis.flows.rl_train import rl_train
+
+IMAGE_TOKENS = 9  # an 84 x 84 picture: a 6 x 6 patch grid, merged 2 x 2
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {
+        "model": save_tiny_vlm(root / "model", seed=2),  # random weights: these runs test the plumbing, not learning
+        "train": shapes_task.write_dataset(root / "train.parquet", 256, seed=0),
+        "eval": shapes_task.write_dataset(root / "eval.parquet", 64, seed=shapes_task.EVAL_SEED_OFFSET),
+    }
+
+
+def _config(shapes, work_dir, **changes):
+    base = dict(
+        load_from=str(shapes["model"]),
+        train_dataset={"path": str(shapes["train"])},
+        eval_dataset={"path": str(shapes["eval"]), "limit": 8},
+        work_dir=str(work_dir),
+        train_batch_size=4,
+        prompt_repeat_k=4,
+        total_train_steps=2,
+        evaluate_step=2,
+        checkpoint_interval=2,
+        hf_interval=2,
+        auto_resume=False,
+        exp_tracker="jsonl",
+    )
+    return load_config("configs/tiny_shapes.yaml", **{**base, **changes})
+
+
+def _metrics(config) -> list[dict]:
+    return [json.loads(line) for line in (Path(config.run_uri) / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_colocated_vision_run_as_flow_runs(shapes, tmp_path, ray_cluster, prefect_api):
+    config = _config(shapes, tmp_path, experiment_name="shapes_flow", cluster={"address": ray_cluster["address"]})
+    rl_train(config)
+
+    rows = ds.dataset(f"{config.run_uri}/trajectories", format="parquet", partitioning="hive").to_table().to_pylist()
+    train = [r for r in rows if r["split"] == "train"]
+    assert len(train) == 2 * 4 * 4 and {r["split"] for r in rows} == {"train", "eval"}
+    images = Path(config.run_uri) / "images"
+    for row in rows:
+        (cell,) = row["images"]
+        assert cell["uri"] == str(images / cell["sha256"]) and cell["bytes"] is None
+        assert row["prompt"][0]["content"].startswith("<image>count ")
+        assert row["prompt_ids"].count(283) == IMAGE_TOKENS  # the tiny VLM's <|image_pad|>
+    assert len(list(images.iterdir())) == len({r["images"][0]["sha256"] for r in rows})
+    # Step 2 samples with step 1's weights (synced every step, vision tower included): the trainer
+    # recomputes the engine's logprobs of the images' prompts.
+    metrics = {m["step"]: m for m in _metrics(config)}
+    assert metrics[2]["mismatch/k3_kl"] < 1e-7 and "eval/accuracy" in metrics[2]
+    export = Path(config.run_uri) / "hf" / "step-000002"
+    assert AutoImageProcessor.from_pretrained(export).merge_size == 2
+    AutoModelForImageTextToText.from_pretrained(export)
+
+    page = Path(write_report(Store(config.run_uri)).html_uri.removeprefix("file://")).read_text()
+    assert "What the policy saw at step 2" in page and page.count('class="thumb"') == 4
+    shown = show_step(RunRef(config.run_uri), 2, limit=2)
+    assert shown and all(s["images"] and s["images"][0].startswith(str(images)) for s in shown)
+
+
+def test_a_disaggregated_vision_run_in_process(shapes, tmp_path):
+    config = _config(
+        shapes, tmp_path, experiment_name="shapes_async", trainer="disaggregated",
+        replay_buffer={"kind": "async", "max_staleness": 1, "enable_partial_rollout": True},
+        enable_initial_evaluate=False, hf_interval=-1,
+    )
+    with LocalRun(config) as run:
+        reports = run.run()
+    assert [r.step for r in reports] == [1, 2]
+    rows = ds.dataset(f"{config.run_uri}/trajectories/split=train", format="parquet", partitioning="hive").to_table().to_pylist()
+    assert len(rows) == 2 * 4 * 4 and all(r["images"] and r["prompt_ids"].count(283) == IMAGE_TOKENS for r in rows)
+    assert all(m["mismatch/k3_kl"] < 1e-7 for m in _metrics(config) if "mismatch/k3_kl" in m)
