@@ -29,7 +29,7 @@ PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
 # Held-out accuracy of the first answer token climbs from the answer prior (~0.33) at step 200 to
 # ~0.77 by step 250 (lr 3e-4, batch 32, data seed 1); 220 lands at ~0.54, leaving RL room to learn.
 WARMUP_STEPS, WARMUP_BATCH, WARMUP_SEED = 220, 32, 1
-_TOKEN_IDS = {  # the config's id fields, and the tokens they name
+VISION_TOKEN_IDS = {  # the config's id fields, and the tokens they name
     "image_token_id": IMAGE_PAD,
     "video_token_id": VIDEO_PAD,
     "vision_start_token_id": VISION_START,
@@ -78,7 +78,7 @@ def build_vlm_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2V
         spatial_merge_size=MERGE_SIZE,
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
     )
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _TOKEN_IDS.items()}
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
     config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     model = Qwen2VLForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
