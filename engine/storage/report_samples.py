@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from trellis.engine.storage.lake import partition_uri, stored_steps
-from trellis.engine.storage.lake_query import prompt_text
 from trellis.engine.storage.store import Store
 
 THUMBNAIL_PIXELS = 128
@@ -47,7 +46,7 @@ def sample_pictures(run: Store, limit: int = 6) -> list[SamplePicture]:
         SamplePicture(
             step=step,
             thumbnails=[_thumbnail(cell, run) for cell in rows[0]["images"]],
-            prompt=prompt_text(rows[0]["prompt"]),
+            prompt="\n".join(m["content"] for m in rows[0]["prompt"]),
             label=rows[0]["label"],
             responses=[(row["response"], row["reward"]) for row in rows],
         )

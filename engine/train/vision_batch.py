@@ -20,18 +20,25 @@ from trellis.engine.vision.processor import VisionProcessor
 
 @dataclass
 class VisionRows:
+    """The micro-batch's distinct images (a GRPO group's samples share theirs: the vision tower sees
+    each once) and, per image placeholder run in token order, which of them it shows."""
+
     pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    image_grid_thw: torch.Tensor  # [distinct images, 3]
     # packed: [4, 1, T], row 0 the positions within each sequence (where attention finds the
     # boundaries), rows 1-3 the multimodal ones; padded: [3, N, L]
     position_ids: torch.Tensor
+    image_index: tuple[int, ...]
 
     def to(self, device: torch.device) -> VisionRows:
-        return VisionRows(*(t.to(device) for t in (self.pixel_values, self.image_grid_thw, self.position_ids)))
+        return VisionRows(*(t.to(device) for t in (self.pixel_values, self.image_grid_thw, self.position_ids)), self.image_index)
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def model_inputs(self) -> dict[str, Any]:
         """The vision tower casts the pixel values to its own dtype."""
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "position_ids": self.position_ids}
+        return {
+            "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "position_ids": self.position_ids,
+            "image_index": self.image_index,
+        }
 
 
 def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionProcessor) -> Any:
@@ -39,8 +46,13 @@ def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionPro
     none of the sequences has an image."""
     if not any(seq.images for seq in sequences):
         return batch
-    inputs = processor.inputs([image.decode() for seq in sequences for image in seq.images])
-    grids = iter(inputs.grids)
+    distinct: dict[str, int] = {}
+    for image in (image for seq in sequences for image in seq.images):
+        distinct.setdefault(image.ref.sha256, len(distinct))
+    first = {image.ref.sha256: image for seq in reversed(sequences) for image in seq.images}
+    inputs = processor.inputs([first[sha].decode() for sha in distinct])
+    index = tuple(distinct[image.ref.sha256] for seq in sequences for image in seq.images)
+    grids = iter([inputs.grids[i] for i in index])
     positions = [
         mrope_positions(seq.input_ids, [next(grids) for _ in seq.images], image_token_id=processor.image_token_id, merge_size=processor.merge_size)
         for seq in sequences
@@ -54,7 +66,7 @@ def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionPro
         position_ids = torch.zeros(3, *batch.input_ids_NL.shape, dtype=torch.long)
         for row, rows_3L in enumerate(positions):
             position_ids[:, row, : rows_3L.size(1)] = rows_3L
-    return replace(batch, vision=VisionRows(inputs.pixel_values, inputs.image_grid_thw, position_ids))
+    return replace(batch, vision=VisionRows(inputs.pixel_values, inputs.image_grid_thw, position_ids, index))
 
 
 def policy_body(model: torch.nn.Module):
@@ -66,10 +78,13 @@ def policy_body(model: torch.nn.Module):
     return functools.partial(_vision_language_hidden, model.model)
 
 
-def _vision_language_hidden(body: torch.nn.Module, *, input_ids, pixel_values=None, image_grid_thw=None, **kwargs):
+def _vision_language_hidden(body: torch.nn.Module, *, input_ids, pixel_values=None, image_grid_thw=None, image_index=(), **kwargs):
     embeds = body.get_input_embeddings()(input_ids)
     if pixel_values is not None:
-        features = torch.cat(body.get_image_features(pixel_values, image_grid_thw, return_dict=True).pooler_output)
+        frozen = not next(body.visual.parameters()).requires_grad
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            per_image = body.get_image_features(pixel_values, image_grid_thw, return_dict=True).pooler_output
+        features = torch.cat([per_image[i] for i in image_index])
         image_mask, _ = body.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
         embeds = embeds.masked_scatter(image_mask, features.to(embeds.dtype))
     return body.language_model(inputs_embeds=embeds, **kwargs)
