@@ -83,6 +83,18 @@ def write_pictures(path: Path, count: int, side: int, images: bool) -> Path:
     return write_rows(path, rows)
 
 
+def profiled_step(run: LocalRun, path: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        metrics = run.train_step().metrics
+    averages = prof.key_averages()
+    path.write_text(
+        averages.table(sort_by="cuda_time_total", row_limit=30) + "\n" + averages.table(sort_by="cpu_time_total", row_limit=30)
+    )
+    return metrics
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -95,6 +107,7 @@ def main() -> None:
     parser.add_argument("--picture", type=int, default=448)
     parser.add_argument("--shape", choices=("3b", "tiny"), default="3b")
     parser.add_argument("--vllm-memory", type=float, default=0.35)
+    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA and CPU ops to OUT")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/trellis-vlm")
@@ -120,9 +133,12 @@ def main() -> None:
     )
     reports, starts = [], []
     with LocalRun(config) as run:
-        for _ in range(args.steps):
+        for index in range(args.steps):
             starts.append(time.perf_counter())
-            reports.append(run.train_step().metrics)
+            if args.profile and index == args.steps - 1:
+                reports.append(profiled_step(run, args.out / f"profile_{'text' if args.no_images else 'images'}.txt"))
+            else:
+                reports.append(run.train_step().metrics)
             print({k: round(v, 4) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/", "mismatch/k3"))}, flush=True)
     steady = reports[args.warmup:]
     summary = {
