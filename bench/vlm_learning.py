@@ -29,11 +29,11 @@ def one_run(args: argparse.Namespace, seed: int) -> dict:
     )
     start = time.perf_counter()
     with LocalRun(config) as run:
-        reports = run.run()
+        run.run()
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (Path(config.run_uri) / "logs" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
-    rewards = [r.metrics["response/rewards/mean"] for r in reports]
+    rewards = [r["response/rewards/mean"] for r in records if "response/rewards/mean" in r]
     return {
         "seed": seed,
         "eval_accuracy": accuracy,
