@@ -67,22 +67,8 @@ class TransformersRollout(StreamingBackend):
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         stop_ids = torch.tensor(sorted(set(self._eos_ids) | set(params.stop_token_ids)), device=self._device)
 
-        # Identical prompts (a GRPO group) are prefilled once; their KV cache is then copied per sample.
-        images = [prompt_images(prompt) for prompt in prompts]
-        rows, row_index = unique_rows(prompts, [tuple(image.ref.sha256 for image in row) for row in images])
-        row_of_sample = torch.tensor(row_index, device=self._device)
-        input_ids, attention_mask = (t.to(self._device) for t in left_pad(rows, self._pad_id))
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        vision: dict[str, torch.Tensor] = {}
-        if any(images):
-            vision, position_ids = self._vision_prefill(rows, [images[row_index.index(r)] for r in range(len(rows))], input_ids.size(1))
         cache = DynamicCache()
-        logits, route_BLK = self._forward(input_ids, attention_mask, position_ids, cache, **vision)
-        if len(rows) < len(prompts):
-            cache.reorder_cache(row_of_sample)
-            logits, attention_mask = (t.index_select(0, row_of_sample) for t in (logits, attention_mask))
-            position_ids = position_ids.index_select(-2, row_of_sample)
-            route_BLK = route_BLK.index_select(0, row_of_sample) if route_BLK is not None else None
+        logits, route_BLK, attention_mask, position_ids = self._prefill(prompts, cache)
         batch = len(prompts)
         limit_B = torch.tensor(limits if limits is not None else [params.max_new_tokens] * batch, device=self._device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self._device)
@@ -145,6 +131,26 @@ class TransformersRollout(StreamingBackend):
 
     def onload(self) -> None:
         """Nothing was offloaded; see ``offload``."""
+
+    def _prefill(self, prompts, cache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The prompts' last logits (and routed experts), with the attention mask and positions decoding
+        goes on from. Identical prompts (a GRPO group) are prefilled once; their KV cache is then copied
+        per sample."""
+        images = [prompt_images(prompt) for prompt in prompts]
+        rows, row_index = unique_rows(prompts, [tuple(image.ref.sha256 for image in row) for row in images])
+        row_of_sample = torch.tensor(row_index, device=self._device)
+        input_ids, attention_mask = (t.to(self._device) for t in left_pad(rows, self._pad_id))
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        vision: dict[str, torch.Tensor] = {}
+        if any(images):
+            vision, position_ids = self._vision_prefill(rows, [images[row_index.index(r)] for r in range(len(rows))], input_ids.size(1))
+        logits, route_BLK = self._forward(input_ids, attention_mask, position_ids, cache, **vision)
+        if len(rows) < len(prompts):
+            cache.reorder_cache(row_of_sample)
+            logits, attention_mask = (t.index_select(0, row_of_sample) for t in (logits, attention_mask))
+            position_ids = position_ids.index_select(-2, row_of_sample)
+            route_BLK = route_BLK.index_select(0, row_of_sample) if route_BLK is not None else None
+        return logits, route_BLK, attention_mask, position_ids
 
     def _vision_prefill(self, rows, row_images, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The vision tower's inputs for the distinct prompts' images, and their multimodal positions
