@@ -37,6 +37,26 @@ def tiny_config(tiny_model, reverse_data, work_dir, **changes):
     return load_config("configs/tiny_reverse.yaml", **{**base, **changes})
 
 
+class Crash(Exception):
+    pass
+
+
+def run_local(config, *, steps: int | None = None, resume: bool = False):
+    """Run ``config`` in process to the end, or crash right after step ``steps``; the finished LocalRun."""
+    from trellis.engine.run.local import LocalRun
+
+    def crash_after(report) -> None:
+        if report.step == steps:
+            raise Crash
+
+    with LocalRun(config, resume=resume) as local:
+        try:
+            local.run(crash_after)
+        except Crash:
+            pass
+    return local
+
+
 def sampled_groups(model, config, prompts) -> list:
     """``prompts`` x 8 samples from ``model`` with the transformers loop, scored by the config's reward."""
     from transformers import AutoTokenizer

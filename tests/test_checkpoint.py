@@ -14,30 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trellis.engine.storage.checkpoints import MARKER, CheckpointError, SaveStore
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import LakeError
-from trellis.engine.run.local import LocalRun
 from trellis.engine.run.resume import RunExistsError, StartPlan, plan_start
-from helpers import lake_rows, logged_metrics, tiny_config
+from helpers import lake_rows, logged_metrics, run_local as run, tiny_config
 
 FIT_METRICS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac", "mismatch/k3_kl")
-
-
-class Crash(Exception):
-    pass
-
-
-def run(config, *, steps: int | None = None, resume: bool = False) -> LocalRun:
-    """Run to the end, or crash right after step ``steps``."""
-
-    def crash_after(report) -> None:
-        if report.step == steps:
-            raise Crash
-
-    with LocalRun(config, resume=resume) as local:
-        try:
-            local.run(crash_after)
-        except Crash:
-            pass
-    return local
 
 
 def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_model, reverse_data, tmp_path):

@@ -26,7 +26,7 @@ from trellis.engine.storage.store import Store
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.weights.lora import adapter_merger, payload_bytes
 from helpers import lake_rows, logged_metrics, sampled_groups, tiny_config
-from test_checkpoint import run
+from helpers import run_local as run
 from teacher_forcing import teacher_forced_gaps
 
 LORA = {"rank": 8, "alpha": 16}

@@ -21,7 +21,7 @@ from trellis.engine.storage.store import Store
 from trellis.engine.tiny import shapes_task
 from trellis.engine.tiny.vlm import save_tiny_vlm
 from trellis.flows.rl_train import rl_train
-from helpers import lake_rows, logged_metrics
+from helpers import lake_rows, logged_metrics, run_local
 
 IMAGE_TOKENS = 9  # an 84 x 84 picture: a 6 x 6 patch grid, merged 2 x 2
 
@@ -100,30 +100,13 @@ def test_a_disaggregated_vision_run_in_process(shapes, tmp_path):
     assert all(m["mismatch/k3_kl"] < 1e-7 for m in _metrics(config) if "mismatch/k3_kl" in m)
 
 
-class Crash(Exception):
-    pass
-
-
-def _run(config, *, crash_after: int | None = None, resume: bool = False) -> LocalRun:
-    def stop(report) -> None:
-        if report.step == crash_after:
-            raise Crash
-
-    with LocalRun(config, resume=resume) as local:
-        try:
-            local.run(stop)
-        except Crash:
-            pass
-    return local
-
-
 def test_an_interrupted_vision_run_resumes_to_the_same_rows_and_metrics(shapes, tmp_path):
     settings = dict(total_train_steps=4, checkpoint_interval=2, hf_interval=-1, enable_initial_evaluate=False)
     whole = _config(shapes, tmp_path, experiment_name="whole", **settings)
-    _run(whole)
+    run_local(whole)
     broken = _config(shapes, tmp_path, experiment_name="broken", **settings)
-    _run(broken, crash_after=3)  # the latest checkpoint is step 2's
-    assert _run(broken, resume=True).plan.start.step == 2
+    run_local(broken, steps=3)  # the latest checkpoint is step 2's
+    assert run_local(broken, resume=True).plan.start.step == 2
     assert _rows(broken) == _rows(whole) and len(_rows(whole)) == 4 * 4 * 4
     assert logged_metrics(broken) == logged_metrics(whole)
 
@@ -140,11 +123,11 @@ def test_debug_replay_of_a_vision_step_reads_its_images_back_from_the_lake(shape
     """The replayed step trains on pictures read from {run}/images: its fit metrics are the original's."""
     settings = dict(checkpoint_interval=-1, hf_interval=-1, enable_initial_evaluate=False, enable_evaluate=False)
     original = _config(shapes, tmp_path, experiment_name="original", total_train_steps=1, **settings)
-    _run(original)
+    run_local(original)
     lake = str(tmp_path / "rollouts")
-    _run(_config(shapes, tmp_path, experiment_name="rollout_only", total_train_steps=1, debug_rollout=True, debug_rollout_dir=lake, **settings))
+    run_local(_config(shapes, tmp_path, experiment_name="rollout_only", total_train_steps=1, debug_rollout=True, debug_rollout_dir=lake, **settings))
     replay = _config(shapes, tmp_path, experiment_name="replay", total_train_steps=None, debug_train=True, debug_rollout_dir=lake, **settings)
-    assert _run(replay).step == 1
+    assert run_local(replay).step == 1
     want, got = logged_metrics(original)[1], logged_metrics(replay)[1]
     for key in ("train/pg_loss", "train/grad_norm", "train/entropy", "mismatch/k3_kl"):
         assert got[key] == want[key], key
