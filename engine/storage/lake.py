@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.moe.codec import decode, encode
-from trellis.engine.storage.lake_images import IMAGE_TYPE, image_cells, images_of, messages_of, prompt_cells, store_inline_images
+from trellis.engine.storage.lake_images import IMAGE_TYPE, fetched, image_cells, images_of, messages_of, prompt_cells, store_inline_images
 from trellis.engine.storage.store import Store
 
 SCHEMA = pa.schema(
@@ -186,7 +186,9 @@ def read_groups(run: Store, split: str, step: int) -> list[list[RolloutSample]]:
         rows = pq.read_table(handle).to_pylist()
     groups: dict[str, list[RolloutSample]] = {}
     for row in sorted(rows, key=lambda r: r["rollout_id"]):
-        groups.setdefault(row["group_id"], []).append(from_row(row))
+        sample = from_row(row)
+        sample.images = [fetched(image, run.options) for image in sample.images]
+        groups.setdefault(row["group_id"], []).append(sample)
     return list(groups.values())
 
 

@@ -49,6 +49,15 @@ def images_of(cells: list[dict[str, Any]] | None) -> list[PromptImage]:
     return [PromptImage(ImageRef(cell["sha256"], cell["uri"]), cell["bytes"]) for cell in cells or []]
 
 
+def fetched(image: PromptImage, storage_options: Mapping[str, Any]) -> PromptImage:
+    """``image`` with its file's bytes, read through fsspec with the lake's options (an S3 lake's images
+    are read where the options are known, not in the trainer)."""
+    if image.data is not None or image.ref.uri is None:
+        return image
+    with Store(image.ref.uri, storage_options).open("rb") as handle:
+        return PromptImage(image.ref, handle.read())
+
+
 def prompt_cells(messages: list[dict[str, Any]]) -> tuple[list[dict[str, str]], str | None]:
     """The ``prompt`` column (text, an image part shown as ``<image>``) and, for messages made of
     parts, the ``prompt_parts`` column that gives them back exactly (JSON)."""

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from trellis.engine.data.prepare import TrainSequence
+from trellis.engine.vision.images import PromptImage
+from trellis.engine.vision.models import is_vision_language
 from trellis.engine.vision.positions import mrope_positions
 from trellis.engine.vision.processor import VisionProcessor
 
@@ -46,12 +48,13 @@ def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionPro
     none of the sequences has an image."""
     if not any(seq.images for seq in sequences):
         return batch
-    distinct: dict[str, int] = {}
-    for image in (image for seq in sequences for image in seq.images):
-        distinct.setdefault(image.ref.sha256, len(distinct))
-    first = {image.ref.sha256: image for seq in reversed(sequences) for image in seq.images}
-    inputs = processor.inputs([first[sha].decode() for sha in distinct])
-    index = tuple(distinct[image.ref.sha256] for seq in sequences for image in seq.images)
+    images = [image for seq in sequences for image in seq.images]
+    distinct: dict[str, PromptImage] = {}
+    for image in images:
+        distinct.setdefault(image.ref.sha256, image)
+    order = {sha: i for i, sha in enumerate(distinct)}
+    inputs = processor.inputs([image.decode() for image in distinct.values()])
+    index = tuple(order[image.ref.sha256] for image in images)
     grids = iter([inputs.grids[i] for i in index])
     positions = [
         mrope_positions(seq.input_ids, [next(grids) for _ in seq.images], image_token_id=processor.image_token_id, merge_size=processor.merge_size)
@@ -73,7 +76,7 @@ def policy_body(model: torch.nn.Module):
     """What turns a layout's inputs into last hidden states: the decoder of a text policy; for a
     vision-language one, the vision tower's image features scattered into the token embeddings,
     then its language model (called apart, so that packed attention's arguments reach only it)."""
-    if getattr(model.config, "vision_config", None) is None:
+    if not is_vision_language(model.config):
         return model.get_decoder()
     return functools.partial(_vision_language_hidden, model.model)
 

@@ -16,6 +16,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor
 
 from trellis.engine.errors import SettingError
+from trellis.engine.vision.models import is_vision_language
 from trellis.engine.vision.positions import ImageGrid, expand_image_placeholders, image_token_count
 
 
@@ -32,18 +33,17 @@ class VisionInputs:
 
 
 class VisionProcessor:
-    def __init__(self, image_processor: Any, *, image_token_id: int, special_token_ids: Sequence[int], model_name: str) -> None:
+    def __init__(self, image_processor: Any, *, image_token_id: int, special_token_ids: Sequence[int]) -> None:
         self._image_processor = image_processor
         self.image_token_id = image_token_id
         self.special_token_ids = sorted(set(special_token_ids) | {image_token_id})  # what a response may never hold
         self.merge_size = int(image_processor.merge_size)
-        self.model_name = model_name
 
     @classmethod
     def of_model(cls, model_path: str) -> VisionProcessor | None:
         """The processor of the model folder at ``model_path``; None for a text-only model."""
         config = AutoConfig.from_pretrained(model_path)
-        if getattr(config, "vision_config", None) is None:
+        if not is_vision_language(config):
             return None
         if not (Path(model_path) / "preprocessor_config.json").exists():
             raise SettingError(
@@ -53,8 +53,7 @@ class VisionProcessor:
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         special = [value for name in names if isinstance(value := getattr(config, name, None), int)]
         return cls(
-            AutoImageProcessor.from_pretrained(model_path), image_token_id=config.image_token_id, special_token_ids=special,
-            model_name=model_path,
+            AutoImageProcessor.from_pretrained(model_path), image_token_id=config.image_token_id, special_token_ids=special
         )
 
     def save(self, folder: str) -> None:
