@@ -23,6 +23,7 @@ from trellis.engine.tiny.vlm import save_tiny_vlm
 from trellis.flows.rl_train import rl_train
 from helpers import lake_rows, logged_metrics, run_local
 
+ROOT = Path(__file__).resolve().parents[1]
 IMAGE_TOKENS = 9  # an 84 x 84 picture: a 6 x 6 patch grid, merged 2 x 2
 
 
@@ -51,20 +52,34 @@ def _config(shapes, work_dir, **changes):
         auto_resume=False,
         exp_tracker="jsonl",
     )
-    return load_config("configs/tiny_shapes.yaml", **{**base, **changes})
+    return load_config(ROOT / "configs" / "tiny_shapes.yaml", **{**base, **changes})
 
 
 def _metrics(config) -> list[dict]:
     return [json.loads(line) for line in (Path(config.run_uri) / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_colocated_vision_run_as_flow_runs(shapes, tmp_path, ray_cluster, prefect_api):
-    config = _config(shapes, tmp_path, experiment_name="shapes_flow", cluster={"address": ray_cluster["address"]})
+def test_a_colocated_vision_run_as_flow_runs(shapes, tmp_path, ray_cluster, prefect_api, monkeypatch):
+    """Launched from a user's project folder, whose reward module reaches the workers and sees each
+    prompt's image part (a reference to the picture)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "picture_reward.py").write_text(
+        "def score(sample):\n"
+        "    image = sample['prompt'][0]['content'][0]\n"
+        "    return 1.0 if image['type'] == 'image' and image['image'].startswith('sha256:') else 0.0\n"
+    )
+    monkeypatch.chdir(project)
+    config = _config(
+        shapes, tmp_path, experiment_name="shapes_flow", cluster={"address": ray_cluster["address"]},
+        reward={"function": "picture_reward:score"},
+    )
     rl_train(config)
 
     rows = ds.dataset(f"{config.run_uri}/trajectories", format="parquet", partitioning="hive").to_table().to_pylist()
     train = [r for r in rows if r["split"] == "train"]
     assert len(train) == 2 * 4 * 4 and {r["split"] for r in rows} == {"train", "eval"}
+    assert {r["reward"] for r in rows} == {1.0}
     images = Path(config.run_uri) / "images"
     for row in rows:
         (cell,) = row["images"]
