@@ -24,7 +24,10 @@ FLOWS = {
     "rescore": (["reward_function"], None),
     "export": ([], None),
 }
-CONFIGS = {"tiny-lookup": "tiny_lookup.yaml", "tiny-reverse": "tiny_reverse.yaml", "tiny-reverse-async": "tiny_reverse_async.yaml"}
+CONFIGS = {
+    "tiny-lookup": "tiny_lookup.yaml", "tiny-reverse": "tiny_reverse.yaml", "tiny-reverse-async": "tiny_reverse_async.yaml",
+    "tiny-shapes": "tiny_shapes.yaml",
+}
 
 
 def test_prefect_yaml_is_rendered_from_the_configs():
