@@ -20,8 +20,10 @@ from transformers import (
     Qwen2VLImageProcessorPil as Qwen2VLImageProcessor,  # the processor that needs no torchvision
 )
 
-from trellis.engine.tiny.model import CHAT_TEMPLATE, DECODER_SHAPE, Example, build_tokenizer
+from trellis.engine.tiny.model import CHAT_TEMPLATE, DECODER_SHAPE, IM_END, Example, build_tokenizer
 from trellis.engine.tiny.reverse_task import make_example
+from trellis.engine.tiny.shapes_task import make_example as make_shapes_example
+from trellis.engine.vision.positions import expand_image_placeholders
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"  # in the vocabulary for vLLM's config checks; trellis takes no video
@@ -118,13 +120,11 @@ def save_tiny_vlm(out_dir: str | Path, seed: int = 0, *, warmup: bool = False) -
 
 def warm_up(model, tokenizer, processor, *, steps: int = WARMUP_STEPS, seed: int = WARMUP_SEED) -> None:
     """Supervised steps on the shapes task, vision tower included, ~20 s on 2 cores."""
-    from trellis.engine.tiny.shapes_task import make_example
-
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.98))
     model.train()
     for _ in range(steps):
-        loss = model(**supervised_batch(tokenizer, processor, [make_example(rng) for _ in range(WARMUP_BATCH)])).loss
+        loss = model(**supervised_batch(tokenizer, processor, [make_shapes_example(rng) for _ in range(WARMUP_BATCH)])).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -134,9 +134,6 @@ def warm_up(model, tokenizer, processor, *, steps: int = WARMUP_STEPS, seed: int
 
 def supervised_batch(tokenizer, processor, examples) -> dict[str, torch.Tensor]:
     """Right-padded rows of (image prompt, answer): the loss on the answer and its closing <|im_end|>."""
-    from trellis.engine.tiny.model import IM_END
-    from trellis.engine.vision.positions import expand_image_placeholders
-
     inputs = processor(images=[image for image, _, _ in examples], return_tensors="pt")
     image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     rows = []
