@@ -75,9 +75,12 @@ def test_image_rows_load_with_expanded_placeholders_and_bad_ones_are_skipped_by_
 
 
 def test_images_for_a_text_only_policy_stop_the_run_with_a_clear_message(tiny_vlm, tmp_path):
-    text_row = _row([{"type": "text", "text": "count red"}])
-    write_rows(tmp_path / "data.parquet", [text_row, _image_row(shapes_task.png_bytes(Image.new("RGB", (84, 84))))])
+    text_row = _row([{"type": "text", "text": "count "}, {"type": "text", "text": "red"}])
+    write_rows(tmp_path / "text.parquet", [text_row])
     tokenizer = AutoTokenizer.from_pretrained(tiny_vlm)
+    (record,), _ = load_prompts(DatasetConfig(path=str(tmp_path / "text.parquet")), tokenizer, vision=None)
+    assert record.messages[0]["content"] == "count red"  # text parts alone: one string, as any template renders
+    write_rows(tmp_path / "data.parquet", [text_row, _image_row(shapes_task.png_bytes(Image.new("RGB", (84, 84))))])
     with pytest.raises(DatasetError, match="Row 1 .* holds images, and the policy is a text-only model"):
         load_prompts(DatasetConfig(path=str(tmp_path / "data.parquet")), tokenizer, vision=None)
 

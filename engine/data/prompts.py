@@ -193,7 +193,9 @@ def _as_messages(prompt: Any) -> tuple[dict[str, Any], ...] | None:
                 return None
             content = message.get("content")
             if isinstance(content, (list, tuple)) and content and all(map(_is_part, content)):
-                content = [dict(part) for part in content]
+                # Text parts alone read as one string, which every chat template renders.
+                texts = [part["text"] for part in content if part["type"] == "text"]
+                content = "".join(texts) if len(texts) == len(content) else [dict(part) for part in content]
             elif not isinstance(content, str):
                 return None
             messages.append({"role": message["role"], "content": content})
