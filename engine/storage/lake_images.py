@@ -7,6 +7,7 @@ for the HTML report's thumbnails, a replayed step, or a resumed run's buffer.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
@@ -28,10 +29,13 @@ def store_inline_images(samples: Iterable[RolloutSample], run: Store) -> dict[st
             continue
         target = run.join("images", sha)
         fs, path = target.fs()
-        if not fs.exists(path):
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            with fs.open(path, "wb") as handle:
+        if not fs.exists(path):  # written under a temporary name and renamed: a crash leaves no half image
+            folder = path.rsplit("/", 1)[0]
+            fs.makedirs(folder, exist_ok=True)
+            temporary = f"{folder}/.{sha}.{uuid.uuid4().hex}.tmp"
+            with fs.open(temporary, "wb") as handle:
                 handle.write(image.data)
+            fs.mv(temporary, path)
         stored[sha] = target.uri
     return stored
 

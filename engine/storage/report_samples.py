@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.parquet as pq
-from PIL import Image
 
 from trellis.engine.storage.lake import partition_uri, stored_steps
+from trellis.engine.storage.lake_images import fetched, images_of
 from trellis.engine.storage.store import Store
 
 THUMBNAIL_PIXELS = 128
@@ -55,15 +55,11 @@ def sample_pictures(run: Store, limit: int = 6) -> list[SamplePicture]:
 
 
 def _thumbnail(cell: dict[str, Any], run: Store) -> bytes:
-    if cell["bytes"] is not None:
-        data = cell["bytes"]
-    else:
-        with Store(cell["uri"], run.options).open("rb") as handle:
-            data = handle.read()
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    image.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+    (stored,) = images_of([cell])
+    picture = fetched(stored, run.options).decode()
+    picture.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    picture.save(buffer, format="PNG")
     return buffer.getvalue()
 
 

@@ -16,7 +16,6 @@ import torch
 from trellis.engine.data.prepare import TrainSequence
 from trellis.engine.vision.images import PromptImage
 from trellis.engine.vision.models import is_vision_language
-from trellis.engine.vision.positions import mrope_positions
 from trellis.engine.vision.processor import VisionProcessor
 
 
@@ -56,10 +55,7 @@ def with_vision(batch: Any, sequences: list[TrainSequence], processor: VisionPro
     inputs = processor.inputs([image.decode() for image in distinct.values()])
     index = tuple(order[image.ref.sha256] for image in images)
     grids = iter([inputs.grids[i] for i in index])
-    positions = [
-        mrope_positions(seq.input_ids, [next(grids) for _ in seq.images], image_token_id=processor.image_token_id, merge_size=processor.merge_size)
-        for seq in sequences
-    ]
+    positions = [processor.positions(seq.input_ids, [next(grids) for _ in seq.images]) for seq in sequences]
     if hasattr(batch, "position_ids_1T"):  # packed: one row, a fill sequence at the end where the shape is fixed
         text_1T = batch.position_ids_1T
         fill = text_1T.size(1) - sum(p.size(1) for p in positions)

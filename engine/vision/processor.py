@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoImageProcessor
 
 from trellis.engine.errors import SettingError
 from trellis.engine.vision.models import is_vision_language
-from trellis.engine.vision.positions import ImageGrid, expand_image_placeholders, image_token_count
+from trellis.engine.vision.positions import ImageGrid, expand_image_placeholders, image_token_count, mrope_positions
 
 
 @dataclass
@@ -69,6 +69,10 @@ class VisionProcessor:
 
     def token_count(self, grid: ImageGrid) -> int:
         return image_token_count(grid, self.merge_size)
+
+    def positions(self, token_ids: Sequence[int], grids: Sequence[ImageGrid]) -> torch.Tensor:
+        """The (3, len(token_ids)) multimodal positions of one sequence whose images are expanded."""
+        return mrope_positions(token_ids, grids, image_token_id=self.image_token_id, merge_size=self.merge_size)
 
     def expand(self, token_ids: Sequence[int], grids: Sequence[ImageGrid]) -> list[int]:
         """A chat template's one placeholder per image, expanded to each image's token count."""

@@ -19,7 +19,6 @@ from trellis.engine.moe.routers import find_routers
 from trellis.engine.moe.routing import RouterHooks
 from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend, prompt_images
 from trellis.engine.vision.models import policy_auto_class
-from trellis.engine.vision.positions import mrope_positions
 from trellis.engine.vision.processor import VisionProcessor
 
 _NEG_INF = float("-inf")
@@ -162,9 +161,7 @@ class TransformersRollout(StreamingBackend):
         position_ids = torch.zeros(3, len(rows), width, dtype=torch.long)
         for r, row in enumerate(rows):
             row_grids = [next(grids) for _ in row_images[r]]
-            position_ids[:, r, width - len(row) :] = mrope_positions(
-                row, row_grids, image_token_id=self._vision.image_token_id, merge_size=self._vision.merge_size
-            )
+            position_ids[:, r, width - len(row) :] = self._vision.positions(row, row_grids)
         vision = {"pixel_values": inputs.pixel_values.to(self._device, self._model.dtype), "image_grid_thw": inputs.image_grid_thw.to(self._device)}
         return vision, position_ids.to(self._device)
 
