@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from trellis.engine.config.loading import load_config
 from trellis.engine.data.prepare import IGNORE, PreparedBatch, TrainSequence
 from trellis.engine.train.worker import TrainingWorker
-from trellis.engine.train.varlen_attention import fa4_unavailable, varlen_attention, varlen_attention_fa4
+from trellis.engine.train.varlen_attention import fa4_unavailable, varlen_attention, varlen_attention_fa4, vision_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -37,6 +37,29 @@ def test_flash_varlen_attention_equals_causal_attention_per_sequence(kernel):
         ).transpose(1, 2)
         assert (out[:, start:end].float() - expected.float()).abs().max() < 2e-2
         start = end
+
+
+def test_the_vision_towers_flash_attention_equals_bidirectional_attention_per_window():
+    """A Qwen2.5-VL-3B vision block's heads (16 x 80) over three windows of one row, bf16, forward and
+    backward: no causal mask, nothing across windows."""
+    torch.manual_seed(0)
+    lengths = [64, 64, 256]
+    query, key, value = (
+        torch.randn(1, 16, sum(lengths), 80, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    cu = torch.tensor([0, 64, 128, 384], device="cuda", dtype=torch.int32)
+    out, _ = vision_attention(None, query, key, value, None, scaling=80**-0.5, cu_seq_lens_q=cu, max_length_q=256)
+    out.float().square().sum().backward()
+    grad = query.grad.clone()
+    query.grad = None
+    parts = [
+        F.scaled_dot_product_attention(*(t[:, :, a:b] for t in (query, key, value)), scale=80**-0.5).transpose(1, 2)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+    ]
+    expected = torch.cat(parts, dim=1)
+    expected.float().square().sum().backward()
+    assert (out.float() - expected.float()).abs().max() < 2e-2
+    assert (grad.float() - query.grad.float()).abs().max() / query.grad.float().abs().max() < 2e-2
 
 
 def _sequences(vocab: int) -> list[TrainSequence]:

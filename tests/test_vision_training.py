@@ -93,3 +93,31 @@ def test_the_hf_export_loads_back_with_its_image_processor(vlm_batch, tmp_path):
     assert all(torch.equal(tensor, trained[name]) for name, tensor in loaded.state_dict().items())
     processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
     assert processor.merge_size == 2 and processor.patch_size == 14
+
+
+def test_the_packed_layouts_vision_attention_equals_the_towers_own_per_window_attention():
+    """A Qwen2.5-VL tower with windowed and full-attention blocks: the packed layout's one-call vision
+    attention (per window on CPU, flash varlen on GPU) gives the tower's own output and gradients."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from trellis.engine.train.varlen_attention import use_varlen_attention
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=5, video_token_id=6)
+    towers = [Qwen2_5_VLForConditionalGeneration(config).float() for _ in range(2)]
+    towers[1].load_state_dict(towers[0].state_dict())
+    use_varlen_attention(towers[1])
+    assert towers[1].config.vision_config._attn_implementation == "trellis_flash_vision"
+    grids = torch.tensor([[1, 8, 12], [1, 12, 4]])  # 2x3 and 3x1 windows of 4x4 patches
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 14 * 14)
+    outputs = []
+    for model in towers:
+        features = model.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+        torch.cat(features).square().sum().backward()
+        outputs.append((torch.cat(features), model.model.visual.blocks[0].attn.qkv.weight.grad))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0])
+    torch.testing.assert_close(outputs[1][1], outputs[0][1])

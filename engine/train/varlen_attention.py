@@ -9,6 +9,9 @@ backward), or with ``kernel="fa4"`` FlashAttention-4's CuTe kernels (the ``flash
 Hopper and Blackwell), 2x FA2's speed on 8k-token sequences on an H200
 (bench/gpu/attention_kernels.py); elsewhere it runs causal SDPA on each sequence in turn, which
 gives the same result.
+
+A vision-language policy's vision tower gets the same treatment without the causal mask
+(``trellis_flash_vision``): its windows and images go through one flash varlen call per layer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ from trellis.engine.compat import flash_varlen_attention as _flash_varlen
 
 NAME = "trellis_varlen"
 NAME_FA4 = "trellis_varlen_fa4"
+# transformers hands a vision tower's windows to an attention as one varlen call only when its name
+# says "flash"; under any other name Qwen-VL towers call it once per window (a 448-pixel image has 16),
+# hundreds of small launches per layer that made the frozen tower 37% of an H200 image step's fit.
+NAME_VISION = "trellis_flash_vision"
+# Towers known to call their attention that way (and to need nothing else a "flash" name switches on).
+VARLEN_VISION_TOWERS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
 def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
@@ -40,6 +49,31 @@ def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.
     return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling), None
 
 
+def vision_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Bidirectional attention within each window (or image) of a vision tower's patches, laid end to
+    end in one row as ``cu_seq_lens_q`` marks them: query/key/value [1, H, T, D] -> [1, T, H, D]. Without
+    boundaries (a tower that passes one window at a time) the row is one window."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None:
+        gqa = query.size(1) != key.size(1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), None
+    if _flash_varlen is not None and query.is_cuda and (dtype := _half_dtype(query)) is not None:
+        q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
+        out = _flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling, causal=False)
+        return out.unsqueeze(0).to(query.dtype), None
+    return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling, causal=False), None
+
+
 def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
     """The 16-bit dtype to run flash attention in, or None to stay exact in float32.
 
@@ -53,7 +87,7 @@ def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def _flash(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling) -> torch.Tensor:
+def _flash(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling, causal: bool = True) -> torch.Tensor:
     cu = cu_seq_lens.to(device=q_THD.device, dtype=torch.int32)
     options = {"scale": scaling}
     if q_THD.size(1) != k_THD.size(1):
@@ -63,9 +97,9 @@ def _flash(q_THD, k_THD, v_THD, cu_seq_lens, max_length, scaling) -> torch.Tenso
             groups = q_THD.size(1) // k_THD.size(1)
             k_THD, v_THD = k_THD.repeat_interleave(groups, dim=1), v_THD.repeat_interleave(groups, dim=1)
     if "is_causal" in _FLASH_PARAMS:
-        options["is_causal"] = True
+        options["is_causal"] = causal
     else:
-        options["window_size"] = (-1, 0)
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
     return _flash_varlen(q_THD, k_THD, v_THD, cu, cu, max_length, max_length, **options)
 
 
@@ -93,11 +127,11 @@ def fa4_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _per_sequence(query, key, value, bounds: list[int], scaling) -> torch.Tensor:
+def _per_sequence(query, key, value, bounds: list[int], scaling, causal: bool = True) -> torch.Tensor:
     gqa = query.size(1) != key.size(1)
     parts = [
         F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=causal, scale=scaling, enable_gqa=gqa
         )
         for start, end in zip(bounds[:-1], bounds[1:])
         if end > start  # rows of fixed shape end with empty sequences
@@ -134,7 +168,12 @@ def use_varlen_attention(model: torch.nn.Module, kernel: str = "torch") -> None:
     name, function = (NAME_FA4, varlen_attention_fa4) if kernel == "fa4" else (NAME, varlen_attention)
     AttentionInterface.register(name, function)
     vision = getattr(model.config, "vision_config", None)
-    if vision is not None:  # a vision-language policy's tower keeps its own attention: its rows are not packed
-        model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation or "sdpa"})
-    else:
+    if vision is None:
         model.set_attn_implementation(name)
+        return
+    model.set_attn_implementation({"text_config": name, "vision_config": vision._attn_implementation or "sdpa"})
+    if model.config.model_type in VARLEN_VISION_TOWERS:
+        AttentionInterface.register(NAME_VISION, vision_attention)
+        # Set on the config its modules read: set_attn_implementation would look for a flash-attn
+        # package (or a hub kernel) behind any name that says "flash".
+        vision._attn_implementation = NAME_VISION
