@@ -16,6 +16,7 @@ A vision-language policy's vision tower gets the same treatment without the caus
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -35,8 +36,12 @@ NAME_VISION = "trellis_flash_vision"
 VARLEN_VISION_TOWERS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
-def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
+def _packed_attention(flash, query, key, value, scaling, kwargs, *, causal: bool, attention_mask=None) -> tuple[torch.Tensor, None]:
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None and not causal:  # a vision tower that passes one window at a time
+        gqa = query.size(1) != key.size(1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), None
     if cu_seq_lens is None or query.size(0) != 1:
         raise ValueError(
             f"{NAME} attention runs packed rows only: one row with cu_seq_lens_q/max_length_q passed to the model."
@@ -46,32 +51,7 @@ def _packed_attention(flash, query, key, value, scaling, kwargs) -> tuple[torch.
         if dtype is not None:
             q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
             return flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling).unsqueeze(0), None
-    return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling), None
-
-
-def vision_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Bidirectional attention within each window (or image) of a vision tower's patches, laid end to
-    end in one row as ``cu_seq_lens_q`` marks them: query/key/value [1, H, T, D] -> [1, T, H, D]. Without
-    boundaries (a tower that passes one window at a time) the row is one window."""
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if cu_seq_lens is None:
-        gqa = query.size(1) != key.size(1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2), None
-    if _flash_varlen is not None and query.is_cuda and (dtype := _half_dtype(query)) is not None:
-        q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))
-        out = _flash(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scaling, causal=False)
-        return out.unsqueeze(0).to(query.dtype), None
-    return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling, causal=False), None
+    return _per_sequence(query, key, value, cu_seq_lens.tolist(), scaling, causal=causal), None
 
 
 def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
@@ -139,9 +119,10 @@ def _per_sequence(query, key, value, bounds: list[int], scaling, causal: bool = 
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
-def _packed_rows(flash):
+def _packed_rows(flash, causal: bool = True):
     """An attention function for transformers' ``AttentionInterface`` that runs packed rows with ``flash``:
-    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention)."""
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (transformers' convention). Not
+    ``causal``: a vision tower's windows or images, attended both ways, which may also come one a call."""
 
     def attention(
         module: torch.nn.Module,
@@ -153,13 +134,14 @@ def _packed_rows(flash):
         dropout: float = 0.0,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        return _packed_attention(flash, query, key, value, scaling, kwargs)
+        return _packed_attention(flash, query, key, value, scaling, kwargs, causal=causal, attention_mask=attention_mask)
 
     return attention
 
 
 varlen_attention = _packed_rows(_flash)
 varlen_attention_fa4 = _packed_rows(_fa4)
+vision_attention = _packed_rows(functools.partial(_flash, causal=False), causal=False)
 
 
 def use_varlen_attention(model: torch.nn.Module, kernel: str = "torch") -> None:
