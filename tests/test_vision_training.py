@@ -22,11 +22,11 @@ from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.vision.processor import VisionProcessor
 
 
-def _config(path, data, **changes):
+def _config(path, data, max_prompt_length=1024, **changes):
     return load_config(
         None,
         load_from=path,
-        train_dataset={"path": str(data)},
+        train_dataset={"path": str(data), "max_prompt_length": max_prompt_length},
         reward={"function": "trellis.engine.tiny.shapes_task:score"},
         rollout={"max_new_tokens": 4},
         total_train_steps=4,
@@ -81,6 +81,37 @@ def test_the_vision_tower_is_frozen_by_default_and_trains_when_asked(vlm_batch):
         vision = {n for n in before if n.startswith("model.visual.")}
         assert vision and moved - vision, "the language model trains either way"
         assert (moved & vision == set()) if freeze else (moved & vision == vision)
+
+
+def test_a_frozen_tower_runs_once_per_mini_batch_in_chunks_and_gives_the_rollouts_logprobs(vlm_batch, monkeypatch):
+    """Micro-batches of 64 tokens (a picture's sequence is ~31): the trained tower runs in each one's
+    forward; the frozen one ahead of them, once, or once per chunk of patches, to the same logprobs."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    from trellis.engine.train.vision_batch import ImageTable, tower_output
+
+    path, data, groups, pad_id = vlm_batch
+    calls = []
+    original = Qwen2VLModel.get_image_features
+    monkeypatch.setattr(Qwen2VLModel, "get_image_features", lambda self, *a, **k: calls.append(len(a[1])) or original(self, *a, **k))
+    counts = {}
+    for freeze in (True, False):
+        calls.clear()
+        config = _config(path, data, max_prompt_length=60, train_worker={"freeze_vision": freeze, "layout": "packed", "pack_max_length": 64})
+        worker, _, result = _fit(config, groups, pad_id)
+        counts[freeze] = list(calls)
+        assert result.metrics["mismatch/k3_kl"] < 1e-7
+    assert counts[True] == [4], "the four pictures in one call"
+    assert len(counts[False]) > 4 and sum(counts[False]) > 4, "each micro-batch's pictures again, with a graph"
+
+    sequences = [seq for group in groups for seq in prepare_train_data([group], config.advantage, shuffle=False, seed=0).sequences]
+    whole, chunked = ImageTable(sequences, worker.vision), ImageTable(sequences, worker.vision)
+    calls.clear()
+    with torch.no_grad():
+        whole.compute_features(lambda inputs: tower_output(worker.model.model, inputs.pixel_values, inputs.image_grid_thw), 10**6)
+        chunked.compute_features(lambda inputs: tower_output(worker.model.model, inputs.pixel_values, inputs.image_grid_thw), 1)
+    assert calls == [4, 1, 1, 1, 1]
+    assert all(torch.allclose(whole.features[key], chunked.features[key], atol=1e-6) for key in whole.keys)
 
 
 def test_the_hf_export_loads_back_with_its_image_processor(vlm_batch, tmp_path):

@@ -40,7 +40,7 @@ from trellis.engine.train.tally import (
     split_evenly,
 )
 from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_attention
-from trellis.engine.train.vision_batch import with_vision
+from trellis.engine.train.vision_batch import ImageTable, tower_output, with_vision
 from trellis.engine.vision.models import policy_auto_class
 from trellis.engine.vision.processor import VisionProcessor
 
@@ -203,8 +203,23 @@ class TrainingWorker:
         packs = pack(sequences, budget, keep_order=layout == "shared_prefix")
         batches = [lay_out(sequences, indices, self._pad_id) for indices in packs]
         if self.vision is not None:
-            batches = [with_vision(batch, [sequences[i] for i in indices], self.vision) for batch, indices in zip(batches, packs)]
+            images = self._image_table(sequences)
+            batches = [with_vision(batch, [sequences[i] for i in indices], images) for batch, indices in zip(batches, packs)]
         return [batch.to(self.device) for batch in batches]
+
+    def _image_table(self, sequences: list[TrainSequence]) -> ImageTable:
+        """The sequences' images, each processed once; a frozen tower's output computed ahead, in calls of
+        at most the patches one micro-batch could hold. (Under FSDP the tower's weights are whole only
+        inside the policy's forward: there it runs with each micro-batch.)"""
+        table = ImageTable(sequences, self.vision)
+        if table.keys and self.config.train_worker.freeze_vision and not self._fsdp:
+            merge = self.vision.merge_size**2
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+                table.compute_features(
+                    lambda inputs: tower_output(self.model.model, inputs.pixel_values.to(self.device), inputs.image_grid_thw.to(self.device)),
+                    max_patches=self.config.train_worker.pack_max_length * merge,
+                )
+        return table
 
     def _policy(self, model: torch.nn.Module) -> Policy:
         worker = self.config.train_worker
