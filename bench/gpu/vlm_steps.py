@@ -16,7 +16,7 @@ in that order within one process, the workers released between runs. A step's wa
 
 ``--shape tiny``: the tiny Qwen2-VL of the CPU tests, on whatever device there is (a smoke run).
 ``--parts`` (in process): each step's fit split into the trainer's host-side vision inputs (decoding,
-the image processor, positions), the vision tower's forward and the language model's forward, each
+the image processor, positions), the vision tower's forward (inside the micro-batches' or ahead of them) and the language model's forward, each
 timed with the GPU synchronized around it; the rest of the fit is backward, loss and optimizer.
 """
 
@@ -124,6 +124,7 @@ class FitParts:
         from trellis.engine.train import worker
 
         worker.with_vision = self._timed("host_vision_inputs", worker.with_vision, sync=False)
+        worker.ImageTable.__init__ = self._timed("host_vision_inputs", worker.ImageTable.__init__, sync=False)
         for model, text in ((modeling_qwen2_5_vl.Qwen2_5_VLModel, modeling_qwen2_5_vl.Qwen2_5_VLTextModel),
                             (modeling_qwen2_vl.Qwen2VLModel, modeling_qwen2_vl.Qwen2VLTextModel)):
             model.get_image_features = self._timed("vision_tower_forward", model.get_image_features)
