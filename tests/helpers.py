@@ -1,4 +1,4 @@
-"""Small helpers shared by the checkpoint, fault and storage tests."""
+"""Small helpers shared by the checkpoint, fault, storage and several-rank tests."""
 
 from __future__ import annotations
 
@@ -152,3 +152,21 @@ def moto_s3_server() -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@contextmanager
+def fit_on_trainer_ranks(config, batch) -> Iterator[tuple[Any, list]]:
+    """``batch`` fitted as step 1 by the run's trainer ranks (``train_resources.num_workers``, gloo on
+    CPU): yields the ranks' fit results and the run's workers, which are released afterwards."""
+    import ray
+
+    from trellis.engine.cluster.workers import RunWorkers
+    from trellis.engine.train.worker import TrainingWorker
+
+    workers = RunWorkers(config)
+    workers.attach()
+    try:
+        ranks = workers.actors("trainer")
+        yield workers.wait([rank.call.remote(TrainingWorker.fit, ray.put(batch), 1) for rank in ranks]), workers
+    finally:
+        workers.release()

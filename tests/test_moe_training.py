@@ -136,29 +136,22 @@ def test_two_gloo_ranks_make_the_update_of_one_on_an_moe_batch(moe_model, revers
     """As the dense parity test: two mini-batches with r3 replay, experts sharded by FSDP2 like every
     other parameter; loss, grad norm and router metrics of 2 ranks equal one rank's to 1e-5, weights to
     5e-5; their sharded checkpoint resumes in one plain worker."""
-    import ray
-    from trellis.engine.cluster.workers import RunWorkers
+    from helpers import fit_on_trainer_ranks
 
     groups, pad_id = moe_groups
     batch = prepare_train_data(groups, _config(moe_model, reverse_data).advantage, shuffle=True, seed=0)
     changes = dict(train_worker={"optimizer_steps": 2, "routing_replay": "r3", "layout": "padded"}, experiment_name="moe-ranks",
                    work_dir=str(tmp_path), cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 120})
     one_rank = TrainingWorker(_config(moe_model, reverse_data, **changes), total_train_steps=4, pad_token_id=pad_id)
-    workers = RunWorkers(_config(moe_model, reverse_data, train_resources={"num_workers": 2}, **changes))
-    workers.attach()
-    try:
-        ranks = workers.actors("trainer")
-        sharded = workers.wait([rank.call.remote(TrainingWorker.fit, ray.put(batch), 1) for rank in ranks])
+    with fit_on_trainer_ranks(_config(moe_model, reverse_data, train_resources={"num_workers": 2}, **changes), batch) as (sharded, workers):
         single = one_rank.fit(batch, 1)
         for name in COMPARED:
             assert sharded[0].metrics[name] == pytest.approx(single.metrics[name], rel=1e-5, abs=1e-5), name
-        weights = workers.wait([rank.export_weights.remote() for rank in ranks])[0]
+        weights = workers.wait([rank.export_weights.remote() for rank in workers.actors("trainer")])[0]
         # AdamW's first steps move a weight by about lr x sign(grad) = 3e-4 each, so a gradient element
         # near 0 that rounds differently on 2 ranks moves by a share of that: 1.4e-5 at most, measured.
         for name, tensor in one_rank.export_weights().items():
             assert torch.allclose(weights[name], tensor, atol=5e-5), name
         uri = Store(str(tmp_path / "sharded"))
-        workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri) for rank in ranks])
+        workers.wait([rank.call.remote(partial(TrainingWorker.save_checkpoint, save_optimizer=True), uri) for rank in workers.actors("trainer")])
         assert TrainingWorker(one_rank.config, total_train_steps=4, pad_token_id=pad_id).load_checkpoint(uri) == 1
-    finally:
-        workers.release()

@@ -118,9 +118,7 @@ def test_two_gloo_ranks_make_the_update_of_one_on_an_image_batch(vlm_batch, tmp_
     """Two trainer ranks (FSDP2 over gloo, the tower in each micro-batch's forward where its weights are
     whole) against one rank (the frozen tower run ahead): the same loss, grad norm and k3 to 1e-5, the
     same weights to 5e-5, the tower's untouched on every rank."""
-    import ray
-
-    from trellis.engine.cluster.workers import RunWorkers
+    from helpers import fit_on_trainer_ranks
 
     path, data, groups, pad_id = vlm_batch
     changes = dict(train_worker={"optimizer_steps": 2, "layout": "padded"}, experiment_name="vl-ranks", work_dir=str(tmp_path),
@@ -128,17 +126,11 @@ def test_two_gloo_ranks_make_the_update_of_one_on_an_image_batch(vlm_batch, tmp_
     batch = prepare_train_data(groups, _config(path, data).advantage, shuffle=True, seed=0)
     one_rank = TrainingWorker(_config(path, data, **changes), total_train_steps=4, pad_token_id=pad_id)
     before = {n: p.detach().clone() for n, p in one_rank.model.named_parameters()}
-    workers = RunWorkers(_config(path, data, train_resources={"num_workers": 2}, **changes))
-    workers.attach()
-    try:
-        ranks = workers.actors("trainer")
-        sharded = workers.wait([rank.call.remote(TrainingWorker.fit, ray.put(batch), 1) for rank in ranks])
+    with fit_on_trainer_ranks(_config(path, data, train_resources={"num_workers": 2}, **changes), batch) as (sharded, workers):
         single = one_rank.fit(batch, 1)
         for name in ("pg_loss", "grad_norm", "mismatch/k3_kl"):
             assert sharded[0].metrics[name] == pytest.approx(single.metrics[name], rel=1e-5, abs=1e-5), name
-        weights = workers.wait([rank.export_weights.remote() for rank in ranks])[0]
-    finally:
-        workers.release()
+        weights = workers.wait([rank.export_weights.remote() for rank in workers.actors("trainer")])[0]
     for name, tensor in one_rank.export_weights().items():
         assert torch.allclose(weights[name], tensor, atol=5e-5), name
     tower = [name for name in before if name.startswith("model.visual.")]
