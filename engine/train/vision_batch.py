@@ -12,6 +12,7 @@ step on an H200 image step (bench/RESULTS.md section 9).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,9 +40,8 @@ class ImageTable:
         self.inputs = processor.inputs([image.decode() for image in distinct.values()]) if distinct else None
         grids = self.inputs.grids if self.inputs is not None else []
         self.grids: dict[str, ImageGrid] = dict(zip(self.keys, grids))
-        sizes = [t * h * w for t, h, w in grids]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._patches = {key: (start, start + size) for key, start, size in zip(self.keys, starts, sizes)}
+        bounds = list(itertools.accumulate((t * h * w for t, h, w in grids), initial=0))
+        self._patches = {key: (start, end) for key, start, end in zip(self.keys, bounds, bounds[1:])}  # rows of pixel_values
         self.features: dict[str, torch.Tensor] | None = None
 
     def inputs_of(self, keys: list[str]) -> VisionInputs:
