@@ -106,15 +106,16 @@ def test_dynamic_sampling_stops_after_max_rounds_and_trains_what_it_has():
 
 
 def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(tiny_model, reverse_data, tmp_path):
-    """One real step with dynamic sampling and overlong shaping (budget 12, buffer 4, factor 0.5). The
+    """One real step with dynamic sampling and overlong shaping (budget 12, buffer 8, factor 0.5). The
     reward training used (each row's ``reward``, and the step's ``response/rewards/mean`` over the kept
     groups) must be the task's exact-match score plus DAPO's penalty computed here from the config:
-    -0.5 x min(max(len - (12 - 4), 0), 4) / 4. Tried: deleting ``sample.reward += penalty`` in
+    -0.5 x min(max(len - (12 - 8), 0), 8) / 8. The buffer starts at 4 tokens, inside the tiny model's
+    usual 3-8 (a buffer of 4 starting at 8 was reached by no response of a run on 2026-12-04). Tried: deleting ``sample.reward += penalty`` in
     ``engine/rollout/production/produce.py::score`` (the payload still says the penalty) fails it."""
     config = tiny_config(
         tiny_model, reverse_data, tmp_path, total_train_steps=1, train_batch_size=4, prompt_repeat_k=4,
         enable_evaluate=False, checkpoint_interval=-1, dynamic_sampling={"enable": True, "max_rounds": 3},
-        reward={"function": "trellis.engine.tiny.reverse_task:score", "overlong_buffer_len": 4, "overlong_penalty_factor": 0.5},
+        reward={"function": "trellis.engine.tiny.reverse_task:score", "overlong_buffer_len": 8, "overlong_penalty_factor": 0.5},
         rollout={"max_new_tokens": 12},
     )
     with LocalRun(config) as run:
@@ -130,7 +131,7 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     assert metrics["sampling/kept_groups"] + metrics["sampling/missing_groups"] == 4
 
     def expected_penalty(row):
-        return -0.5 * min(max(row["response_len"] - (12 - 4), 0), 4) / 4
+        return -0.5 * min(max(row["response_len"] - (12 - 8), 0), 8) / 8
 
     def expected_reward(row):
         exact_match = 1.0 if row["response"].strip() == row["label"] else 0.0
@@ -138,7 +139,7 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
 
     assert all(row["status"] in ("completed", "filtered") for row in rows)
     penalised = [row for row in rows if expected_penalty(row) < 0]
-    assert penalised, "no response reached the buffer: the penalty went untried"
+    assert penalised, f"no response reached the buffer: the penalty went untried; lengths {sorted(r['response_len'] for r in rows)}"
     for row in rows:
         assert row["reward"] == pytest.approx(expected_reward(row)), (row["response_len"], row["response"], row["label"])
         assert json.loads(row["reward_payload"]).get("overlong_penalty", 0.0) == pytest.approx(expected_penalty(row))
