@@ -80,7 +80,11 @@ def score(sample: dict[str, Any]) -> float:
     return 1.0 if looked_up and str(sample["response"]).strip() == str(sample["label"]) else 0.0
 
 
-WARMUP_STEPS = 143  # greedy success jumps from ~5% to ~75% between steps 141 and 146: pinned, as for reverse
+# Greedy success jumps from ~5% to ~75% within a few steps: between 141 and 146 on the machine the
+# count was pinned on, between 220 and 230 on an AMD EPYC of 2026-12-04 (where 143 steps left a model
+# no RL step could move). So: at least 143 steps, then on until a probe's success reaches 25%.
+WARMUP_STEPS = 143
+WARMUP_SUCCESS = 0.25
 FIRST_TURN_STEPS = 100  # the tool call alone first; then whole sessions
 
 
@@ -90,5 +94,5 @@ def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
 
     return build_tiny_checkpoint(
         out_dir, warmup=warmup, make_example=make_example, warmup_steps=WARMUP_STEPS,
-        first_turn_steps=FIRST_TURN_STEPS, added_tokens=ADDED_TOKENS,
+        first_turn_steps=FIRST_TURN_STEPS, added_tokens=ADDED_TOKENS, until_success=WARMUP_SUCCESS,
     )

@@ -108,15 +108,21 @@ def warm_up(
     make_example: Example = make_example,
     steps: int = WARMUP_STEPS,
     first_turn_steps: int = 0,
+    until_success: float | None = None,
 ) -> None:
     """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only. A multi-turn task
     trains on the first turn alone for ``first_turn_steps``: a ~1M model learns the later turns' copying
-    far faster once the first turn's is in place."""
+    far faster once the first turn's is in place. ``until_success``: after ``steps``, go on (up to 3x
+    ``steps``) until greedy success on a fixed probe batch reaches it; where a task's sharp jump in
+    success falls moves with the machine's arithmetic, and a pinned count can land before it."""
     rng = random.Random(seed)
+    probe = _supervised_batch(tokenizer, random.Random(seed + 1), make_example) if until_success is not None else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model.train()
-    for step in range(steps):
+    for step in range(steps if probe is None else 3 * steps):
+        if probe is not None and step >= steps and greedy_success(model, *probe) >= until_success:
+            break
         input_ids, labels = _supervised_batch(tokenizer, rng, make_example, first_turn_only=step < first_turn_steps)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
@@ -125,6 +131,17 @@ def warm_up(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
+
+
+def greedy_success(model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    """The share of rows whose every trained token is the model's argmax given the ones before: the
+    rows greedy decoding would reproduce whole."""
+    model.eval()
+    with torch.no_grad():
+        predicted = model(input_ids=input_ids).logits[:, :-1].argmax(-1)
+    model.train()
+    targets = labels[:, 1:]
+    return ((predicted == targets) | (targets == -100)).all(-1).float().mean().item()
 
 
 def _supervised_batch(
@@ -161,6 +178,7 @@ def build_tiny_checkpoint(
     warmup_seed: int = WARMUP_SEED,
     added_tokens: tuple[str, ...] = (),
     first_turn_steps: int = 0,
+    until_success: float | None = None,
     moe: bool = False,
 ) -> Path:
     """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder; the bundled
@@ -176,7 +194,10 @@ def build_tiny_checkpoint(
     if moe and warmup_seed == WARMUP_SEED:
         warmup_seed = tiny_moe.WARMUP_SEED
     if warmup:
-        warm_up(model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps)
+        warm_up(
+            model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps,
+            until_success=until_success,
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
