@@ -279,7 +279,7 @@ def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp
         load_from=str(lookup["model"]),
         train_dataset={"path": str(lookup["train"]), "max_prompt_length": 64},
         eval_dataset={"path": str(lookup["eval"]), "max_prompt_length": 64, "limit": 128},
-        work_dir=str(tmp_path), total_train_steps=10, evaluate_step=10, checkpoint_interval=-1,
+        work_dir=str(tmp_path), total_train_steps=20, evaluate_step=20, checkpoint_interval=-1,
         agent={"loop": "openai", "entrypoint": "openai_agents:self_scoring_lookup_agent"},
         reward={"function": "openai_agents:must_not_score"},
         cluster={"address": ray_cluster["address"], "code_dir": str(Path(__file__).parent)},
@@ -288,9 +288,10 @@ def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp
 
     metrics, rows = logged_metrics(config), lake_rows(config)
     failed = failures(rows) + failures(lake_rows(config, split="eval"))
-    assert not failed and all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 11)), (len(failed), failed[:3])
-    # 10 steps: from a start near 0.38 (the warm-up's on a 2026-12-04 machine), 6 were not always enough
-    assert metrics[10]["eval/accuracy"] > metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[10]["eval/accuracy"])
-    assert len(rows) == 10 * 128
+    assert not failed and all(metrics[step]["rollout/failed_samples"] == 0 for step in range(1, 21)), (len(failed), failed[:3])
+    # 20 steps: from a start near 0.38 (the warm-up's on a 2026-12-04 machine), 10 steps gained +0.13 to
+    # +0.22 in three runs and -0.03 in a fourth (CI at e993b9e)
+    assert metrics[20]["eval/accuracy"] > metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[20]["eval/accuracy"])
+    assert len(rows) == 20 * 128
     assert all(json.loads(row["reward_payload"]) == {"from": "agent"} for row in rows)
     assert sum(row["reward"] for row in rows) > 0
