@@ -391,7 +391,7 @@ class LoadCheckpointConfig(Frozen):
     """An explicit checkpoint to start from (``auto_resume`` finds the latest one by itself)."""
 
     checkpoint_path: Location | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
-    load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments (e.g. after changing the lr).")
+    load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments. The lr, betas and weight decay are always this run's own settings.")
     load_dataset: bool = Field(True, description="False: restart the prompt order instead of continuing it.")
 
 

@@ -264,7 +264,7 @@ class TrainingWorker:
                 (loss * (self.world if index < real else 0.0)).backward()
             self.routing.observe(session, batch, agreement=first_pass and index < real, update=index < real)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the scheduler's, or the run's own after a checkpoint load
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:

@@ -87,12 +87,23 @@ def load_checkpoint(worker: TrainingWorker, checkpoint: Store, *, load_optimizer
     if not load_optimizer:
         worker.optimizer.state.clear()
     worker.scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
-        group["lr"] = lr
+    _apply_optim_settings(worker)
     rank_state = checkpoint.join(f"trainer-rank{worker.rank}.pt")  # absent when the checkpoint had fewer ranks
     restore_rng((load_object(rank_state) if worker.rank and rank_state.exists() else state)["rng"])
     worker.applied_step = int(state["applied_step"])
     return worker.applied_step
+
+
+def _apply_optim_settings(worker: TrainingWorker) -> None:
+    """The checkpoint gives the schedule's position and AdamW's moments; the run's own settings give the
+    hyperparameters (a loaded optimizer and scheduler would bring back the saved lr, betas and weight
+    decay), so a resumed run, or a replay of a step, may change them. Unchanged settings give the same
+    lr, computed as LambdaLR computes it."""
+    optim, scheduler = worker.config.optim, worker.scheduler
+    scheduler.base_lrs = [optim.lr for _ in worker.optimizer.param_groups]
+    for group, factor in zip(worker.optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=optim.lr, lr=optim.lr * factor(scheduler.last_epoch), betas=optim.betas, eps=optim.eps,
+                     weight_decay=optim.weight_decay)
 
 
 def _lora_problem(worker: TrainingWorker, uri: str, saved: dict | None) -> str | None:
