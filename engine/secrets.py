@@ -18,6 +18,7 @@ from importlib import metadata
 from typing import Any, Iterable, Iterator, Mapping
 
 import fsspec
+from pydantic import BaseModel
 
 REDACTED = "**********"
 _SECRET_NAME = re.compile(
@@ -49,6 +50,25 @@ def redact_mapping(values: Mapping[str, Any]) -> dict[str, Any]:
         else:
             redacted[name] = value
     return redacted
+
+
+def redact_settings(settings: BaseModel, *, exclude: set[str] | None = None) -> dict[str, Any]:
+    """A pydantic model as JSON, for writing out: its own fields are kept whatever their names (a
+    ``prompt_key`` or ``max_new_tokens`` is a setting, not a secret), while the free-form mappings in it
+    (a runtime_env, a reward function's kwargs) are masked by name as ``redact_mapping`` does."""
+    return _redacted(settings, settings.model_dump(mode="json", exclude=exclude))
+
+
+def _redacted(value: Any, dumped: Any) -> Any:
+    if isinstance(value, BaseModel) and isinstance(dumped, Mapping):
+        return {name: _redacted(getattr(value, name, None), item) for name, item in dumped.items()}
+    if isinstance(value, (list, tuple)) and isinstance(dumped, list):
+        return [_redacted(v, d) for v, d in zip(value, dumped)]
+    if isinstance(dumped, Mapping):
+        return redact_mapping(dumped)
+    if isinstance(dumped, str):
+        return redact_url_passwords(dumped)
+    return dumped
 
 
 def secret_values(environ: Mapping[str, str] | None = None, *extra: Mapping[str, Any]) -> set[str]:

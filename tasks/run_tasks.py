@@ -19,7 +19,7 @@ from trellis.engine.config import TrellisConfig
 from trellis.engine.errors import SettingError
 from trellis.engine.run.metrics import RunCounters
 from trellis.engine.run.loop import write_run_report
-from trellis.engine.run.plan import RunPlan, WorkerFacts, record_run_plan, resolve_run_plan
+from trellis.engine.run.plan import RunPlan, WorkerFacts, record_run_config, record_run_plan, resolve_run_plan
 from trellis.engine.run.resume import plan_start, record_owner, started_by
 from trellis.engine.run.run_log import (
     RunLog,
@@ -62,6 +62,7 @@ def restore_checkpoint(config: TrellisConfig, resume: bool, facts: WorkerFacts) 
     state = require_complete(Store(start.checkpoint, config.storage_options)) if start.checkpoint is not None else None
     plan = resolve_run_plan(config, facts, start, RunCounters.resumed(state))
     RayWorkers(config).open_trackers(plan.first_step)
+    record_run_config(config)
     record_run_plan(config, plan)
     record_start(config, plan, attempt=flow_run.get_run_count())
     record_run_origin(config, start)

@@ -51,6 +51,32 @@ def test_env_json_masks_every_credential_and_keeps_the_rest(tmp_path, monkeypatc
     assert environment["TRELLIS_PLAIN_SETTING"] == "visible-value"
 
 
+def test_a_runs_recorded_config_keeps_its_settings_and_masks_its_secrets(tmp_path):
+    """logs/config.json (what `trellis replay` rebuilds a run from): storage options left out, a URL's
+    password masked, settings named like secrets (prompt_key, max_new_tokens) and a worker's plain
+    env_vars kept as they are, and the file loads back as the same config. (A secret in env_vars is
+    refused by the config itself.)"""
+    from trellis.engine.config.loading import config_from_mapping
+    from trellis.engine.run.plan import record_run_config
+
+    config = load_config(
+        "configs/tiny_reverse.yaml", work_dir=str(tmp_path), storage_options={"key": "AKIA-storage-123", "secret": "storage-secret-456"},
+        cluster={"runtime_env": {"env_vars": {"LOG_LEVEL": "debug"}}},
+        tokenizer_path="https://user:url-pass-321@models.example/tok",
+    )
+    record_run_config(config)
+    text = (tmp_path / "tiny_reverse" / "logs" / "config.json").read_text()
+    for secret in ("AKIA-storage-123", "storage-secret-456", "url-pass-321"):
+        assert secret not in text
+    recorded = json.loads(text)
+    assert "storage_options" not in recorded and recorded["cluster"]["runtime_env"]["env_vars"] == {"LOG_LEVEL": "debug"}
+    assert recorded["train_dataset"]["prompt_key"] == config.train_dataset.prompt_key
+    assert recorded["rollout"]["max_new_tokens"] == config.rollout.max_new_tokens
+    assert recorded["tokenizer_path"] == f"https://user:{REDACTED}@models.example/tok"
+    reloaded = config_from_mapping({**recorded, "tokenizer_path": config.tokenizer_path}, storage_options=config.storage_options)
+    assert reloaded == config
+
+
 def test_log_records_are_scrubbed_whoever_logs_them(monkeypatch, caplog):
     monkeypatch.setenv("TRELLIS_TEST_SECRET_TOKEN", "tok-0f9e8d7c6b5a")
     install_log_redaction({"secret": "from-storage-options-42"})

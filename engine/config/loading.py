@@ -32,6 +32,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of config keys, got {type(raw).__name__}.")
+    return config_from_mapping(raw, overrides, **fields)
+
+
+def config_from_mapping(raw: dict[str, Any], overrides: list[str] | None = None, **fields: Any) -> TrellisConfig:
+    """As ``load_config``, from settings already read (a run's stored ``logs/config.json``)."""
+    raw = copy.deepcopy(raw)
     for override in overrides or []:
         _apply_override(raw, override)
     raw.update(fields)

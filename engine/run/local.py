@@ -24,6 +24,7 @@ from trellis.engine.run.plan import (
     RunPlan,
     WorkerFacts,
     plan_step,
+    record_run_config,
     record_run_plan,
     resolve_run_plan,
     resolve_total_steps,
@@ -85,6 +86,7 @@ class LocalRun:
         self.workers = LocalWorkers(config, roles, self.controller, self.worker, self.backend, trackers)
         if track:
             write_runtime_environment(config.run_uri, config.storage_options)
+            record_run_config(config)
             record_run_plan(config, self.plan)
             record_start(config, self.plan)
             record_run_origin(config, start)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from trellis.engine.config import ResourcesConfig, TrellisConfig
 from trellis.engine.run.metrics import RunCounters, RunDevices, SideDevices
 from trellis.engine.run.resume import StartPlan
+from trellis.engine.secrets import redact_settings
 from trellis.engine.storage.checkpoints import write_json
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import LakeError, stored_steps
@@ -180,6 +181,19 @@ def _checkpoint_due(config: TrellisConfig, step: int, last: bool) -> bool:
     if config.checkpoint_interval in (None, -1):
         return False
     return step % config.checkpoint_interval == 0 or (last and step % config.sync_weights_interval == 0)
+
+
+def run_config_uri(run_uri: str) -> str:
+    return f"{run_uri.rstrip('/')}/logs/config.json"
+
+
+def record_run_config(config: TrellisConfig) -> str:
+    """Write the run's settings beside its logs (``logs/config.json``), as it was launched with them, for
+    ``trellis replay`` and for people. Without ``storage_options``, and secret-named entries masked:
+    whoever reads the run brings their own credentials."""
+    uri = run_config_uri(config.run_uri)
+    write_json(redact_settings(config, exclude={"storage_options"}), Store(uri, config.storage_options))
+    return uri
 
 
 def run_plan_uri(config: TrellisConfig) -> str:
