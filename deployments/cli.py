@@ -14,6 +14,7 @@ import typer
 from trellis.deployments.cli_lake import runs_app, trajectories_app
 from trellis.deployments.cli_ledger import ledger_app
 from trellis.deployments.cli_lineage import lineage
+from trellis.deployments.cli_replay import replay
 from trellis.deployments.cli_report import report
 from trellis.deployments.cli_server import server_app
 
@@ -24,6 +25,7 @@ app.add_typer(trajectories_app, name="trajectories")
 app.add_typer(ledger_app, name="ledger")
 app.command("lineage")(lineage)
 app.command("report")(report)
+app.command("replay")(replay)
 
 
 @app.command("tiny-model")

@@ -76,6 +76,14 @@ DEPLOYMENTS = """\
       config: *{name}
       reward_function: {rescore_with}
   - name: {name}
+    description: Apply a stored step of the run of {source} again with changed settings, and compare the two updates
+    entrypoint: flows/replay.py:replay
+    work_pool: *local_pool
+    parameters:
+      config: *{name}
+      step: 1
+      changes: ["loss.clip_eps_high=0.28"]
+  - name: {name}
     description: Export a checkpoint of the run of {source} as an HF folder
     entrypoint: flows/export.py:export
     work_pool: *local_pool

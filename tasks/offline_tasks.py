@@ -1,16 +1,19 @@
 """Tasks of the flows that work on a run's stored results (evaluate a checkpoint, rescore stored
-trajectories, export a checkpoint): each does its work in the flow's own process and leaves Prefect
+trajectories, replay a step, export a checkpoint): each does its work in the flow's own process and leaves Prefect
 artifacts that say what it found and where it wrote."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import task
-from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
 from trellis.engine.config import RewardConfig, TrellisConfig
 from trellis.engine.run.evaluate_checkpoint import evaluate_checkpoint
 from trellis.engine.run.export import export_checkpoint
+from trellis.engine.run.replay import comparison_markdown, replay_step
 from trellis.engine.run.rescore import rescore_run
 from trellis.engine.secrets import install_log_redaction
 from trellis.engine.storage.store import Store
@@ -67,3 +70,15 @@ def rescore_task(config: TrellisConfig, reward_function: str, split: str, steps:
         f"(old and new mean reward per step; agreement = both call a sample correct, or both wrong)",
     )
     return result.split
+
+
+@task(name="replay", **NOT_STORED)
+def replay_task(config: TrellisConfig, step: int, changes: list[str], name: str | None) -> dict:
+    install_log_redaction(config.storage_options)
+    comparison = replay_step(Store(config.run_uri, config.storage_options), step, changes, name=name)
+    create_markdown_artifact(
+        key=artifact_key(config, f"replay-{step}"),
+        markdown=comparison_markdown(comparison),
+        description=f"{config.experiment_name}: step {step} applied again with {', '.join(changes) or 'no change'}",
+    )
+    return asdict(comparison)

@@ -22,6 +22,7 @@ FLOWS = {
     "rl_train": ([], [{"cron": "0 2 * * *", "timezone": "UTC", "active": False}]),
     "evaluate_checkpoint": ([], [{"interval": 3600, "active": False}]),
     "rescore": (["reward_function"], None),
+    "replay": (["step", "changes"], None),
     "export": ([], None),
 }
 CONFIGS = {

@@ -1,6 +1,6 @@
 """The operator's side on a real Prefect server process: `trellis server up` (server, work pool, worker,
-deployments), the training deployment run for 3 steps, then evaluate_checkpoint, rescore and export
-from their deployments; Prefect's records checked through its client; lineage from a trajectory row to
+deployments), the training deployment run for 3 steps, then evaluate_checkpoint, rescore, export and
+replay from their deployments; Prefect's records checked through its client; lineage from a trajectory row to
 its flow run and checkpoint; a fork of the run that starts where it should; operator mistakes."""
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def served_run(server, client, tiny_model, reverse_data, ray_cluster, tmp_path_f
         "evaluate": run_deployment("evaluate_checkpoint/tiny-reverse", {"config": config, "samples_per_prompt": 4, "temperature": 1.0}),
         "rescore": run_deployment("rescore/tiny-reverse", {"config": config}),
         "export": run_deployment("export/tiny-reverse", {"config": config, "out": str(work_dir / "exported")}),
+        "replay": run_deployment("replay/tiny-reverse", {"config": config, "step": 3, "changes": ["loss.clip_eps_high=0.28"], "name": "clip"}),
     }
     return {"config": config, "work_dir": work_dir, "run": work_dir / "served", "flow_runs": runs}
 
@@ -104,19 +105,21 @@ def test_the_deployments_ran_as_flow_runs_with_task_runs_and_artifacts(served_ru
 
     names = {run.name for run in read(lambda c: c.read_flow_runs())}
     assert {"rl_train[served]", "rl_run[served]", "rl_step[step=1]", "rl_step[step=3]", "evaluate_checkpoint[served]",
-            "rescore[served]", "export[served]"} <= names
+            "rescore[served]", "export[served]", "replay[served@3]"} <= names
     step_runs = read(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": ["rl_step[step=3]"]})))
     tasks = read(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [step_runs[0].id]})))
     assert {"produce_batch[step=3]", "fit[step=3]", "save_checkpoint[step=3]", "evaluate[step=3]", "commit_checkpoint[step=3]"} <= {t.name for t in tasks}
     assert all(t.state.is_completed() for t in tasks)
     keys = {a.key for a in read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter()))}
     assert {"served-step-metrics", "served-checkpoint", "served-trajectories", "served-checkpoint-eval", "served-rescore", "served-export",
-            "served-report"} <= keys
+            "served-report", "served-replay-3"} <= keys
+    replayed = read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["served-replay-3"]})))
+    assert "# Replay of step 3" in replayed[0].data and "`loss.clip_eps_high=0.28`" in replayed[0].data
     evaluation_tables = read(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(key={"any_": ["served-checkpoint-eval"]})))
     table = json.loads(evaluation_tables[0].data)
     assert table[0]["data_source"] == "reverse" and 0.0 <= table[0]["accuracy"] <= table[0]["pass@4"] <= 1.0
     assert table[0]["samples"] == 32 * 4  # the eval set's 32 prompts, 4 samples each
-    for kind in ("evaluate", "rescore", "export"):
+    for kind in ("evaluate", "rescore", "export", "replay"):
         flow_run_id = served_run["flow_runs"][kind].id
         tasks = read(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]})))
         assert tasks and all(t.state.is_completed() for t in tasks), kind
@@ -137,6 +140,9 @@ def test_results_of_the_offline_deployments_landed(served_run):
 
     assert AutoModelForCausalLM.from_pretrained(served_run["work_dir"] / "exported") is not None
     assert json.loads((served_run["work_dir"] / "exported" / "lineage.json").read_text())["step"] == 3
+    # No checkpoint before step 3: the replay began where the run did and applied stored steps 1 and 2 first.
+    comparison = json.loads((run / "replays" / "step-000003-clip" / "comparison.json").read_text())
+    assert comparison["bridged_steps"] == [1, 2] and comparison["trained_tokens"] > 0 and comparison["changes"] == ["loss.clip_eps_high=0.28"]
 
 
 def test_lineage_resolves_a_row_to_its_flow_run_and_checkpoint(served_run, server):
