@@ -83,15 +83,17 @@ def replay_step(
 ) -> ReplayComparison:
     """Apply stored step ``step`` of ``run`` with the run's settings and with ``changes`` (``a.b=value``),
     from the same policy; write and return the comparison."""
-    settings = stored_run_config(run)
     options = dict(storage_options or run.options)
+    run = Store(run.uri, options)
+    settings = stored_run_config(run)
     as_run = config_from_mapping(settings, storage_options=options)
     changed = config_from_mapping(settings, changes, storage_options=options)
     stored = stored_steps(run, "train")
     if step not in stored:
         raise ReplayError(f"{run.uri} holds no stored train batch for step {step} (stored: {_ranges(stored)}).")
     folder = f"{run.uri.rstrip('/')}/replays/step-{step:06d}-{name or _name_of(changes)}"
-    start_uri, start_step = _checkpoint_before(as_run, step)
+    _clear(Store(folder, options))  # a replay of the same name starts over
+    start_uri, start_step = _checkpoint_before(run, as_run, step)
     origin = start_uri or f"{as_run.load_from} (where the run started)"
     bridged = list(range(start_step + 1, step))
     if missing := sorted(set(bridged) - set(stored)):
@@ -113,7 +115,7 @@ def replay_step(
         start=origin, bridged_steps=bridged,
         figures={key: {b: figures[b].get(key) for b in figures} for key in FIT_FIGURES if any(key in f for f in figures.values())},
         policy_kl=kl, policy_logprob_diff_max=largest, identical_updates=_same_weights(updated["as_run"], updated["changed"]),
-        folder=folder, matches_run_export=_matches_export(as_run, step, updated["as_run"]), **advantage,
+        folder=folder, matches_run_export=_matches_export(run, step, updated["as_run"]), **advantage,
     )
     if any(s.images for s in sequences["as_run"]):
         comparison.notes.append("sequences with images are left out of the policy KL (text-only scoring)")
@@ -124,9 +126,16 @@ def replay_step(
     return comparison
 
 
-def _checkpoint_before(config: TrellisConfig, step: int) -> tuple[str | None, int]:
-    """The run's last complete checkpoint before ``step``, else where the run itself started."""
-    saves = SaveStore(Store(config.checkpoint_uri, config.storage_options))
+def _clear(folder: Store) -> None:
+    fs, path = folder.fs()
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def _checkpoint_before(run: Store, config: TrellisConfig, step: int) -> tuple[str | None, int]:
+    """The run's last complete checkpoint before ``step``, else where the run itself started. Looked
+    for where the run is now, which need not be the work_dir it was launched with."""
+    saves = SaveStore(run.join("checkpoints"))
     earlier = [s for s in saves.complete_steps() if s < step]
     if earlier:
         return saves.uri(max(earlier)), max(earlier)
@@ -216,11 +225,11 @@ def _token_logprobs(model, sequence: TrainSequence) -> torch.Tensor:
     return torch.log_softmax(logits[trained], dim=-1).gather(-1, labels[trained, None]).squeeze(-1)
 
 
-def _matches_export(config: TrellisConfig, step: int, weights: Mapping[str, torch.Tensor]) -> bool | None:
+def _matches_export(run: Store, step: int, weights: Mapping[str, torch.Tensor]) -> bool | None:
     """Whether ``weights`` are the run's HF export of ``step``, every exported tensor bit for bit."""
     from safetensors.torch import load
 
-    export = Store(f"{config.hf_uri}/step-{step:06d}", config.storage_options)
+    export = run.join("hf", f"step-{step:06d}")
     fs, folder = export.fs()
     files = sorted(fs.glob(f"{folder}/*.safetensors")) if fs.exists(folder) else []
     if not files:
