@@ -55,7 +55,7 @@ def redact_mapping(values: Mapping[str, Any]) -> dict[str, Any]:
 def redact_settings(settings: BaseModel, *, exclude: set[str] | None = None) -> dict[str, Any]:
     """A pydantic model as JSON, for writing out: its own fields are kept whatever their names (a
     ``prompt_key`` or ``max_new_tokens`` is a setting, not a secret), while the free-form mappings in it
-    (a runtime_env, a reward function's kwargs) are masked by name as ``redact_mapping`` does."""
+    (a runtime_env) are masked by name as ``redact_mapping`` does, and URL passwords everywhere."""
     return _redacted(settings, settings.model_dump(mode="json", exclude=exclude))
 
 

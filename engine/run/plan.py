@@ -189,8 +189,8 @@ def run_config_uri(run_uri: str) -> str:
 
 def record_run_config(config: TrellisConfig) -> str:
     """Write the run's settings beside its logs (``logs/config.json``), as it was launched with them, for
-    ``trellis replay`` and for people. Without ``storage_options``, and secret-named entries masked:
-    whoever reads the run brings their own credentials."""
+    ``trellis replay`` and for people. Without ``storage_options``, with URL passwords and the
+    secret-named entries of free-form mappings masked: whoever reads the run brings their own credentials."""
     uri = run_config_uri(config.run_uri)
     write_json(redact_settings(config, exclude={"storage_options"}), Store(uri, config.storage_options))
     return uri
