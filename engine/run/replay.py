@@ -13,7 +13,6 @@ the trainer the same way (the in-process runner, or one trainer rank with the sa
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -283,7 +282,3 @@ def comparison_markdown(comparison: ReplayComparison) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def describe(comparison: ReplayComparison) -> str:
-    return json.dumps(asdict(comparison), indent=2)
