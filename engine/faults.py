@@ -5,6 +5,9 @@ when the file holds ``POINT [COUNT]`` for this point, the point is passed COUNT 
 next time the worker writes ``POINT PID`` to ``{file}.fired``, removes the file and SIGKILLs its own
 process, as an out-of-memory kill or a lost node would end it. The test then knows the kill happened,
 where, and to which process. Outside the tests the variable is unset and a point costs one lookup.
+
+A ``fault_flag`` is a point that does not kill: it answers True when it fires (the caller then does the
+damage, as flipping a weight sync's bytes), and ``POINT COUNT TIMES`` makes it fire TIMES times in a row.
 """
 
 from __future__ import annotations
@@ -17,20 +20,33 @@ FAULT_FILE = "TRELLIS_FAULT_FILE"
 
 
 def fault_point(name: str) -> None:
+    if _fires(name):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_flag(name: str) -> bool:
+    """Whether the point ``name`` fires now; the caller does the damage."""
+    return _fires(name)
+
+
+def _fires(name: str) -> bool:
     path = os.environ.get(FAULT_FILE)
     if not path:
-        return
+        return False
     marker = Path(path)
     try:
-        point, *count = marker.read_text().split()
+        point, *numbers = marker.read_text().split()
     except FileNotFoundError:
-        return
+        return False
     if point != name:
-        return
-    left = int(count[0]) if count else 0
+        return False
+    left, times = (int(numbers[0]) if numbers else 0), (int(numbers[1]) if len(numbers) > 1 else 1)
     if left > 0:
-        marker.write_text(f"{point} {left - 1}")
-        return
+        marker.write_text(f"{point} {left - 1} {times}")
+        return False
     Path(f"{path}.fired").write_text(f"{point} {os.getpid()}")
-    marker.unlink()
-    os.kill(os.getpid(), signal.SIGKILL)
+    if times > 1:
+        marker.write_text(f"{point} 0 {times - 1}")
+    else:
+        marker.unlink()
+    return True

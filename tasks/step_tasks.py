@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prefect import Task, task
-from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
@@ -23,14 +23,16 @@ from trellis.engine.errors import SettingError
 from trellis.engine.run.phases import PHASES, Phase, PhaseContext, Retries, run_phase
 from trellis.engine.run.plan import RunPlan
 from trellis.engine.run.run_log import run_log_for
+from trellis.engine.weights.attestation import WeightAttestationError
 from trellis.tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 def unless_a_setting_error(task, task_run, state) -> bool:
-    """Retry a failed task unless a setting the user must change failed it: the retry would meet it again."""
-    return not isinstance(state.result(raise_on_failure=False), SettingError)
+    """Retry a failed task unless a setting the user must change failed it (the retry would meet it
+    again), or a weight sync failed its attestation after syncing again already."""
+    return not isinstance(state.result(raise_on_failure=False), (SettingError, WeightAttestationError))
 
 
 def task_options(retries: Retries) -> dict[str, Any]:
@@ -84,7 +86,12 @@ def phase_task(phase: Phase) -> Task:
             run_log_for(config).warning(f"{task_run.name}: retry {task_run.run_count - 1} after a failure; {doing}")
             for hook in phase.on_retry:
                 hook.fn(ctx)
-        result = run_phase(phase, ctx, step, *inputs)
+        try:
+            result = run_phase(phase, ctx, step, *inputs)
+        except WeightAttestationError as error:
+            create_markdown_artifact(key=artifact_key(config, "weight-attestation"), markdown=error.page,
+                                     description=f"{config.experiment_name}: the failed weight attestation of step {step}")
+            raise
         for kind in phase.publishes:
             PUBLISHERS[kind](config, step, inputs, result)
         return result

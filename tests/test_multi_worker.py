@@ -80,7 +80,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
             for name, tensor in one_rank.export_weights().items():
                 assert torch.allclose(weights[name], tensor, atol=1e-5), (step, name)
 
-        assert workers.sync_weights(2) == "object_store"
+        assert workers.sync_weights(2)["attest/passed"] == 1.0 and workers.transport == "object_store"  # 2 ranks, 2 engines attested
         for rollout in workers.actors("rollout"):
             assert ray.get(rollout.policy_version.remote()) == 2
             served = ray.get(rollout.served_weights.remote())
@@ -278,7 +278,7 @@ def test_lora_on_two_ranks_makes_the_update_of_one_and_syncs_the_adapters_alone(
         offline = load_policy(one_rank.config, PolicySource(uri, 2, "checkpoint")).state_dict()  # export and evaluate read it so
         assert all(torch.allclose(offline[name], tensor, atol=1e-6) for name, tensor in restored.export_weights().items())
 
-        assert workers.sync_weights(2) == "adapter"
+        assert workers.sync_weights(2)["attest/passed"] == 1.0 and workers.transport == "adapter"
         for rollout in workers.actors("rollout"):
             served = ray.get(rollout.served_weights.remote())
             assert all(torch.equal(served[name], tensor) for name, tensor in weights.items())

@@ -125,6 +125,8 @@ class TrainerActor(BuiltFrom):
         fault_point("trainer.sync_weights")
         self.release_shared_weights()
         self._sender = WeightSender(self.worker.export_weights(), float_dtype=ROLLOUT_GPU_DTYPE)
+        if self._config.attest.enabled:
+            self.worker.record_sent(self._sender.tensors())
         return self._sender.shared()
 
     def release_shared_weights(self) -> None:
@@ -150,7 +152,10 @@ class TrainerActor(BuiltFrom):
         weights = self.worker.export_weights()
         if self.rank == 0:
             group = self._weight_group
-            group.send(flatten(weights, float_dtype=float_dtype, device=group.device))
+            buckets = flatten(weights, float_dtype=float_dtype, device=group.device)
+            if self._config.attest.enabled:
+                self.worker.record_sent({name: tensor for bucket in buckets for name, tensor in bucket.tensors()})
+            group.send(buckets)
 
     def _target(self) -> TrainingWorker:
         return self.worker
@@ -159,13 +164,18 @@ class TrainerActor(BuiltFrom):
         """A LoRA policy's adapters on rank 0 (every rank must call it), for ``load_adapter``."""
         fault_point("trainer.sync_weights")
         adapter = self.worker.export_adapter()
-        return {name: tensor.cpu() for name, tensor in adapter.items()} if self.rank == 0 else {}
+        return self._sent({name: tensor.cpu() for name, tensor in adapter.items()}) if self.rank == 0 else {}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0; every rank must call it (gathering shards is collective)."""
         fault_point("trainer.sync_weights")
         weights = self.worker.export_weights()
-        return {name: tensor.cpu() for name, tensor in weights.items()} if self.rank == 0 else {}
+        return self._sent({name: tensor.cpu() for name, tensor in weights.items()}) if self.rank == 0 else {}
+
+    def _sent(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._config.attest.enabled:
+            self.worker.record_sent(weights)
+        return weights
 
     def applied_step(self) -> int:
         return self.worker.applied_step
@@ -209,13 +219,17 @@ class RolloutActor(BuiltFrom):
 
     def receive_weights(self, layouts: list[BucketLayout], policy_version: int) -> int:
         fault_point("rollout.sync_weights")
-        self.backend.load_weights(self._weight_group.receive(layouts), policy_version)
+        self._load(self._weight_group.receive(layouts), policy_version)
         return policy_version
+
+    def _load(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Every sync's way in: what arrived is recorded (and held until attested), then loaded."""
+        self.backend.load_weights(self.backend.intake.arrive(weights, policy_version, attested=self._config.attest.enabled), policy_version)
 
     def load_shared_weights(self, shared: SharedWeights, policy_version: int) -> int:
         fault_point("rollout.sync_weights")
         weights = receive(shared)
-        self.backend.load_weights(weights, policy_version)
+        self._load(weights, policy_version)
         torch.cuda.synchronize()  # the copies out of the trainer's buffers are done before it frees them
         del weights
         return policy_version
@@ -241,7 +255,7 @@ class RolloutActor(BuiltFrom):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
         fault_point("rollout.sync_weights")
-        self.backend.load_weights(state_dict, policy_version)
+        self._load(state_dict, policy_version)
         return policy_version
 
     def load_adapter(self, adapter: Mapping[str, torch.Tensor], policy_version: int) -> int:
@@ -249,6 +263,7 @@ class RolloutActor(BuiltFrom):
         fault_point("rollout.sync_weights")
         if self._merger is None:
             self._merger = adapter_merger(self._config)
+        adapter = self.backend.intake.arrive(adapter, policy_version, attested=self._config.attest.enabled)
         self.backend.load_weights(self._merger.merged(adapter), policy_version)
         return policy_version
 

@@ -52,8 +52,8 @@ class RayWorkers:
     def hand_accelerator_to(self, role: Role) -> None:
         self.cluster.hand_accelerator_to(role)
 
-    def sync_weights(self, policy_version: int) -> None:
-        self.cluster.sync_weights(policy_version)
+    def sync_weights(self, policy_version: int) -> dict[str, float]:
+        return self.cluster.sync_weights(policy_version)
 
     def replace_lost_rollout(self) -> bool:
         return self.cluster.replace_lost_rollout()

@@ -18,7 +18,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.actor import ActorHandle
@@ -48,6 +48,7 @@ from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_step
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
+from trellis.engine.weights.attestation import attested_sync
 
 logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
@@ -67,6 +68,7 @@ class RunWorkers:
         self.config = config
         self.roles: tuple[Role, ...] = roles_for(config)
         self._timeout_s = config.cluster.ray_get_timeout_s
+        self.transport = ""  # of the last weight sync (``engine.cluster.weight_sync``)
 
     @functools.cached_property
     def launch(self) -> Launch:
@@ -303,12 +305,22 @@ class RunWorkers:
                     raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
         self.wait([actor.onload.remote() for actor in on_gpus(self.actors(role), self._timeout_s)])
 
-    def sync_weights(self, policy_version: int) -> str:
-        """The trainer's weights into every rollout worker; returns the transport used."""
-        try:
-            return push_weights(self.config, self.actors("trainer"), self.actors("rollout"), policy_version)
-        except (RayTaskError, RayActorError) as error:
-            raise worker_error(error, self) from error
+    def sync_weights(self, policy_version: int) -> dict[str, float]:
+        """The trainer's weights into every rollout worker, attested (``engine.weights.attestation``):
+        every sync, those of a restart or a replaced worker too. Returns the attestation's metrics;
+        ``transport`` says how the weights went."""
+
+        def push() -> None:
+            try:
+                self.transport = push_weights(self.config, self.actors("trainer"), self.actors("rollout"), policy_version)
+            except (RayTaskError, RayActorError) as error:
+                raise worker_error(error, self) from error
+
+        return attested_sync(self.config, policy_version, push, self.call_each, self.hand_accelerator_to)
+
+    def call_each(self, role: Role, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every worker of ``role``; their results in order."""
+        return self.wait([actor.call.remote(fn, *args) for actor in self.actors(role)])
 
     def pids(self) -> dict[Role, int]:
         """The process of each live worker (the first of each role; tests compare them across runs)."""

@@ -6,6 +6,7 @@ from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
+    AttestConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,
@@ -24,6 +25,7 @@ from trellis.engine.config.trellis import TrellisConfig
 __all__ = [
     "AdvantageConfig",
     "AgentConfig",
+    "AttestConfig",
     "ClusterConfig",
     "DatasetConfig",
     "DynamicSamplingConfig",

@@ -19,6 +19,7 @@ from trellis.engine.config.rules import RULES
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
+    AttestConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,
@@ -76,6 +77,7 @@ class TrellisConfig(Frozen):
     )
 
     sync_weights_interval: int = Field(1, description="Steps between weight syncs to the rollout workers; saves and evaluations fall on sync steps.")
+    attest: AttestConfig = Field(default_factory=AttestConfig)
     check_weights_interval: int = Field(
         0, ge=0,
         description="Every N-th weight sync, check that the rollout serves the trainer's weights (a few sums per "

@@ -174,10 +174,11 @@ def export_hf(ctx: PhaseContext, step: int) -> str:
     return uri
 
 
-def sync_weights(ctx: PhaseContext, step: int) -> None:
+def sync_weights(ctx: PhaseContext, step: int) -> dict[str, float]:
     """Trainer weights reach the rollout with no disk round trip (CUDA IPC on a shared GPU, an NCCL
-    broadcast between GPUs, else the object store: ``engine.cluster.weight_sync``)."""
-    ctx.workers.sync_weights(step)
+    broadcast between GPUs, else the object store: ``engine.cluster.weight_sync``), and every engine
+    shows it holds them before any rollout uses them (``engine.weights.attestation``)."""
+    return ctx.workers.sync_weights(step)
 
 
 def _trainer_print_on(trainer: TrainingWorker) -> dict:
@@ -294,7 +295,7 @@ FIT = Phase("fit", "trainer", fit, retries=NEVER, on_retry=(), publishes=("metri
 SAVE_CHECKPOINT = Phase("save_checkpoint", "trainer", save_checkpoint, retries=ONCE, on_retry=())  # a retry starts afresh
 EXPORT_HF = Phase("export_hf", "trainer", export_hf, retries=ONCE, on_retry=())
 PAUSE_PRODUCE = Phase("pause_produce", "controller", pause_produce, on_retry=())
-SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights)
+SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights, publishes=("metrics",))  # an attestation failure is not retried: it synced again already
 CHECK_WEIGHTS = Phase("check_weights", "rollout", check_weights, publishes=("metrics",))
 EVALUATE = Phase("evaluate", "controller", evaluate, publishes=("metrics",), needs="rollout")
 CONTINUE_PRODUCE = Phase("continue_produce", "controller", continue_produce)

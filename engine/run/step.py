@@ -143,7 +143,7 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
     if synced:
         phases(PAUSE_PRODUCE)
         save_and_export(phases, plan)
-        phases(SYNC_WEIGHTS)
+        phases.metrics.update(phases(SYNC_WEIGHTS))
         if plan.check_weights:
             phases.metrics.update(phases(CHECK_WEIGHTS))
         eval_metrics = evaluate_if_due(phases, plan)
@@ -164,7 +164,7 @@ def save_and_export(phases: StepPhases, plan: StepPlan) -> None:
 
 def sync_and_check(phases: StepPhases, plan: StepPlan) -> None:
     if plan.sync_weights:
-        phases(SYNC_WEIGHTS)
+        phases.metrics.update(phases(SYNC_WEIGHTS))
     if plan.check_weights:
         phases.metrics.update(phases(CHECK_WEIGHTS))
 

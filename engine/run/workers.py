@@ -18,6 +18,7 @@ from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.run.plan import Role
 from trellis.engine.storage.trackers import Trackers
 from trellis.engine.train.worker import TrainingWorker
+from trellis.engine.weights.attestation import attested_sync
 from trellis.engine.weights.lora import AdapterMerger, adapter_merger, sends_adapters
 
 
@@ -52,7 +53,7 @@ class Workers(Protocol):
         ...
 
     def hand_accelerator_to(self, role: Role) -> None: ...
-    def sync_weights(self, policy_version: int) -> None: ...
+    def sync_weights(self, policy_version: int) -> dict[str, float]: ...
     def replace_lost_rollout(self) -> bool: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def close_trackers(self) -> None: ...
@@ -102,15 +103,29 @@ class LocalWorkers:
             self.backend.offload()
             self.trainer.onload()
 
-    def sync_weights(self, policy_version: int) -> None:
+    def sync_weights(self, policy_version: int) -> dict[str, float]:
         """Weights go to the rollout engine while its KV cache sleeps, with no disk round trip; a LoRA
-        policy's adapters alone, which the engine merges into its base (``engine.weights.lora``)."""
+        policy's adapters alone, which the engine merges into its base (``engine.weights.lora``). Attested
+        as on a cluster (``engine.weights.attestation``); returns the attestation's metrics."""
+        return attested_sync(self.config, policy_version, lambda: self._push(policy_version), self.call_each, self.hand_accelerator_to)
+
+    def _push(self, policy_version: int) -> None:
+        attested = self.config.attest.enabled
         if sends_adapters(self.config, "in_process"):
             if self._merger is None:
                 self._merger = adapter_merger(self.config)
-            self.backend.load_weights(self._merger.merged(self.trainer.export_adapter()), policy_version=policy_version)
-            return
-        self.backend.load_weights(self.trainer.export_weights(), policy_version=policy_version)
+            sent = self.trainer.export_adapter()
+        else:
+            sent = self.trainer.export_weights()
+        if attested:
+            self.trainer.record_sent(sent)
+        arrived = self.backend.intake.arrive(sent, policy_version, attested=attested)
+        if self._merger is not None:
+            arrived = self._merger.merged(arrived)
+        self.backend.load_weights(arrived, policy_version=policy_version)
+
+    def call_each(self, role: Role, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(worker, *args) for worker in self._of(role)]
 
     def replace_lost_rollout(self) -> bool:
         return False  # an engine of this process is not lost without the process

@@ -10,6 +10,9 @@ Micro-batch layouts hand over precomputed label indices, so nothing here waits f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +32,15 @@ class Policy(torch.nn.Module):
         self._temperature = temperature
         self._chunk_tokens = chunk_tokens
         self._keep_logits = keep_logits
+
+    @contextmanager
+    def at_temperature(self, temperature: float) -> Iterator[None]:
+        """Logprobs at another temperature meanwhile (the weight attestation's canary scores at 1)."""
+        kept, self._temperature = self._temperature, temperature
+        try:
+            yield
+        finally:
+            self._temperature = kept
 
     def forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         return batch_logprobs(

@@ -9,7 +9,7 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -43,6 +43,7 @@ from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_at
 from trellis.engine.train.vision_batch import ImageTable, tower_output, with_vision
 from trellis.engine.vision.models import policy_auto_class
 from trellis.engine.vision.processor import VisionProcessor
+from trellis.engine.weights.attestation import BucketSum, bucket_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class TrainingWorker:
         )
         self._pad_id = pad_token_id
         self.applied_step = 0
+        self.sent_checksums: tuple[BucketSum, ...] = ()  # of the last weights sent to the rollout (attested syncs)
 
     def _set_up_computation(self, worker: TrainWorkerConfig) -> None:
         """The layout, attention kernel, activation checkpointing and compilation the config asks for."""
@@ -337,6 +339,24 @@ class TrainingWorker:
         not: for a full sync and weight checks. A LoRA policy's come merged."""
         weights = fsdp.full_tensors(self.model.state_dict())
         return self.adapters.merged(weights) if self.adapters is not None else weights
+
+    @torch.no_grad()
+    def canary_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The logprob of each token after the first given those before it, at temperature 1, under the
+        current weights: the trainer's side of a weight attestation's canary (every rank calls it)."""
+        sequence = TrainSequence(
+            input_ids=token_ids[:-1], labels=token_ids[1:], advantages=[0.0] * (len(token_ids) - 1),
+            rollout_logprobs=[0.0] * (len(token_ids) - 1),
+        )
+        (batch,) = self._micro_batches([sequence])
+        self.model.eval()  # fit sets train mode again
+        with self.policy.at_temperature(1.0), self.routing.session(batch):
+            logprobs = self._token_logprobs(self.policy, batch)[0]
+        return logprobs.flatten().index_select(0, batch.label_index_K).tolist()
+
+    def record_sent(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """The checksums of the weights as they leave for the rollout, for the sync's attestation."""
+        self.sent_checksums = bucket_checksums(weights)
 
     def export_adapter(self) -> dict[str, torch.Tensor]:
         """A LoRA policy's adapters alone, by the base's module names (``engine.weights.lora``); every

@@ -35,6 +35,10 @@ class WeightSender:
         self._buckets = flatten(state_dict, float_dtype=float_dtype, device=device)
         torch.cuda.current_stream().synchronize()  # the copies are done before anyone maps the memory
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shared weights by name, as the receiver will see them."""
+        return {name: tensor for bucket in self._buckets for name, tensor in bucket.tensors()}
+
     def shared(self) -> SharedWeights:
         return SharedWeights([(reduce_tensor(bucket.flat), bucket.specs) for bucket in self._buckets])
 

@@ -9,6 +9,8 @@ from typing import Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 
+from trellis.engine.weights.attestation import WeightIntake
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -76,6 +78,16 @@ class RolloutBackend(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         ...
 
+    @property
+    def intake(self) -> WeightIntake:
+        """What the last weight sync brought, and whether the run has attested it (``engine.weights.attestation``)."""
+        ...
+
+    def score_tokens(self, token_ids: Sequence[int]) -> list[float]:
+        """The logprob of each token after the first given those before it, at temperature 1 (the
+        attestation's canary): one forward, nothing sampled."""
+        ...
+
     def offload(self) -> None:
         """Release accelerator memory (weights and KV cache) so the trainer can use it."""
         ...
@@ -93,16 +105,23 @@ class RolloutBackend(Protocol):
 
 
 class StreamingBackend:
-    """What the backends share: the policy version they serve (``load_weights`` sets it) and ``generate``
-    as their ``stream`` put in prompt order. Aborting is a capability of its own (the registry's
-    ``supports_abort``): a backend that has it writes ``abort`` and ``resume_generation``."""
+    """What the backends share: the policy version they serve (``load_weights`` sets it), the record of
+    the weights they took in (a backend's ``stream`` starts with ``self.intake.refuse_if_held()``: no
+    rollout with unattested weights), and ``generate`` as their ``stream`` put in prompt order. Aborting
+    is a capability of its own (the registry's ``supports_abort``): a backend that has it writes
+    ``abort`` and ``resume_generation``."""
 
     def __init__(self) -> None:
         self._policy_version = 0
+        self._intake = WeightIntake()
 
     @property
     def policy_version(self) -> int:
         return self._policy_version
+
+    @property
+    def intake(self) -> WeightIntake:
+        return self._intake
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None

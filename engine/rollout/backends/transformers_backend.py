@@ -59,6 +59,7 @@ class TransformersRollout(StreamingBackend):
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
     ) -> Iterator[tuple[int, Generation]]:
+        self.intake.refuse_if_held()
         if not prompts:
             return
         generator = self._generator
@@ -120,6 +121,12 @@ class TransformersRollout(StreamingBackend):
         if unexpected:
             raise KeyError(f"The rollout model has no weights named {unexpected[:5]} ({len(unexpected)} names).")
         self._policy_version = policy_version
+
+    @torch.inference_mode()
+    def score_tokens(self, token_ids: Sequence[int]) -> list[float]:
+        ids = torch.tensor([list(token_ids)], device=self._device)
+        logprobs = torch.log_softmax(self._model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
     def served_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights generation runs with, by name (on CPU)."""

@@ -94,6 +94,7 @@ class VllmRollout(StreamingBackend):
         output per running request per engine step, looped over here, cost the rollout 17-24% on an
         H200. An aborted request's tokens and logprobs so far are read from vLLM's own record of it
         before the abort drops that record (``_partial``)."""
+        self.intake.refuse_if_held()
         if not prompts:
             return
         if self._abort.is_set():
@@ -128,6 +129,15 @@ class VllmRollout(StreamingBackend):
         for request_id, index in index_of.items():
             ids, logprobs, routed = partial[request_id]
             yield index, self._generation(ids, logprobs, "abort", self._response_routing(routed, len(prompts[index]), len(ids)))
+
+    def score_tokens(self, token_ids: Sequence[int]) -> list[float]:
+        """vLLM's prompt logprobs at temperature 1 (raw and processed logprobs agree there)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        self.onload()
+        sampling = VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        (output,) = self._llm.generate([{"prompt_token_ids": list(token_ids)}], sampling, use_tqdm=False)
+        return [entry[token].logprob for token, entry in zip(token_ids[1:], output.prompt_logprobs[1:])]
 
     def _request_prompt(self, prompt: Sequence[int]) -> dict:
         images = prompt_images(prompt)
