@@ -1,6 +1,6 @@
 """trellis's full orchestrated step: Prefect flow runs driving Ray actors on a local head it starts.
 
-Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON
+Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON [no-attest]
 A first flow run of 3 steps warms the workers up and keeps them; a second flow run re-attaches and
 runs STEPS more, which are the ones measured: wall seconds between consecutive `rl_step` flow-run
 starts (everything the user waits for), CPU seconds of the whole process tree (Prefect's server and
@@ -42,7 +42,7 @@ from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
-PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/evaluate")
+PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/attest", "time/evaluate")
 WORKER_CLASSES = ("TrainerActor", "RolloutActor", "ControllerActor")
 
 
@@ -78,7 +78,7 @@ async def step_starts(since_s: float) -> dict[int, float]:
     return starts
 
 
-def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
+def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool = True) -> None:
     head, address = start_head()
     try:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
@@ -87,7 +87,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
                 reward={"function": "trellis.engine.tiny.reverse_task:score"},
                 train_batch_size=16, prompt_repeat_k=8, rollout={"temperature": 1.0, "max_new_tokens": 8},
                 optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
-                cluster={"address": address, "release_workers_at_end": False},
+                cluster={"address": address, "release_workers_at_end": False}, attest={"enabled": attest},
             )
             rl_train(config)
             clock = StepClock()
@@ -112,4 +112,4 @@ def main(model_dir: str, train_path: str, steps: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], attest=sys.argv[5:] != ["no-attest"])

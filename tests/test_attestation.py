@@ -20,6 +20,7 @@ from trellis.engine.weights.attestation import (
     CORRUPT_RECEIVED,
     UnattestedWeightsError,
     WeightAttestationError,
+    attests,
     bucket_checksums,
     canary_difference,
     checksum_differences,
@@ -47,6 +48,15 @@ def test_checksums_agree_on_the_same_bytes_and_name_the_bucket_whose_bytes_diffe
     assert checksum_differences(sent, bucket_checksums(swapped, bucket_bytes=2 * 64 * 32 * 4))[0].startswith("bucket 0")
 
 
+def test_a_tensor_read_from_inside_a_bucket_sums_as_the_same_tensor_on_its_own():
+    """bf16 views into one flat buffer at offsets of 2 bytes (CUDA IPC and broadcast hand such views
+    over) against standalone copies (the object store's)."""
+    flat = torch.randn(3 + 8 * 8 + 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    views = {"odd": flat[:3], "square": flat[3:67].view(8, 8), "rest": flat[67:]}
+    assert views["square"].storage_offset() * 2 % 4 == 2
+    assert bucket_checksums(views) == bucket_checksums({name: view.clone() for name, view in views.items()})
+
+
 def test_a_canary_that_is_not_finite_or_of_another_length_is_infinitely_far():
     assert canary_difference([-1.0, -2.0], [-1.5, -2.0]).mean == 0.25
     assert math.isinf(canary_difference([-1.0, -2.0], [float("nan"), -2.0]).mean)
@@ -55,7 +65,7 @@ def test_a_canary_that_is_not_finite_or_of_another_length_is_infinitely_far():
 
 def _config(tiny_model, reverse_data, tmp_path, **changes):
     return tiny_config(tiny_model, reverse_data, tmp_path, **{"total_train_steps": 1, "checkpoint_interval": -1,
-                                                               "enable_evaluate": False, **changes})
+                                                               "enable_evaluate": False, "attest": {"enabled": True}, **changes})
 
 
 def test_every_sync_is_attested_and_its_figures_are_the_steps_metrics(tiny_model, reverse_data, tmp_path):
@@ -106,8 +116,11 @@ def test_weights_garbled_after_their_checksum_are_caught_by_the_canary(tiny_mode
     assert "canary logprobs differ by" in str(error.value) and "bytes differ" not in str(error.value)
 
 
-def test_attestation_can_be_turned_off(tiny_model, reverse_data, tmp_path):
-    with LocalRun(_config(tiny_model, reverse_data, tmp_path, attest={"enabled": False}), track=False) as run:
+def test_attestation_is_off_by_default_on_cpu_and_on_with_an_accelerator(tiny_model, reverse_data, tmp_path):
+    config = _config(tiny_model, reverse_data, tmp_path, attest={})
+    assert not attests(config)
+    assert attests(config.model_copy(update={"rollout": config.rollout.model_copy(update={"backend": "vllm"})}))
+    with LocalRun(config, track=False) as run:
         metrics = run.train_step().metrics
         assert run.workers.backend.intake.received == () and not run.workers.backend.intake.held
     assert not any(name.startswith("attest/") for name in metrics)

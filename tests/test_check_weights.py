@@ -57,6 +57,6 @@ def test_a_sync_that_did_not_reach_the_rollout_fails_the_step(tiny_model, revers
     trainer trained, the rollout kept the initial weights: check_weights fails the step."""
     config = tiny_config(tiny_model, reverse_data, tmp_path, total_train_steps=1, checkpoint_interval=-1, check_weights_interval=1)
     with LocalRun(config, track=False) as run:
-        run.workers.sync_weights = lambda policy_version: None
+        run.workers.sync_weights = lambda policy_version: {}  # nothing synced, nothing attested
         with pytest.raises(WeightMismatchError, match="rollout engine 0 serves other weights than the trainer's"):
             run.train_step()

@@ -232,7 +232,7 @@ def test_a_garbled_weight_sync_is_caught_before_any_rollout_uses_it(tiny_model, 
     fault_file = tmp_path / "fault"
     fault_file.write_text(f"{CORRUPT_RECEIVED} {draw} 1")
     runtime_env = {"env_vars": {FAULT_FILE: str(fault_file)}}
-    config = async_config(tiny_model, data, tmp_path, ray_cluster, "garbled_once", total_train_steps=6,
+    config = async_config(tiny_model, data, tmp_path, ray_cluster, "garbled_once", total_train_steps=6, attest={"enabled": True},
                           cluster={**ray_cluster["cluster"], "runtime_env": runtime_env})
     rl_train(config)
     assert not fault_file.exists() and Path(f"{fault_file}.fired").read_text().startswith(CORRUPT_RECEIVED)
@@ -245,7 +245,7 @@ def test_a_garbled_weight_sync_is_caught_before_any_rollout_uses_it(tiny_model, 
 
     fault_file.write_text(f"{CORRUPT_RECEIVED} 0 9")
     config = tiny_config(tiny_model, {"train": data, "eval": data}, tmp_path, experiment_name="garbled_always", total_train_steps=2,
-                         enable_evaluate=False, train_dataset={"path": str(data), "max_prompt_length": 64},
+                         enable_evaluate=False, train_dataset={"path": str(data), "max_prompt_length": 64}, attest={"enabled": True},
                          cluster={**ray_cluster["cluster"], "runtime_env": runtime_env, "flow_retries": 0})
     with pytest.raises(WeightAttestationError, match="step 1 failed its attestation 2 times: rollout engine 0: bytes differ"):
         rl_train(config)

@@ -56,7 +56,7 @@ def test_n_trainer_ranks_make_the_update_of_one_and_resume_at_one(
                    cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 120})
     config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": world},
                          train_worker={"optimizer_steps": 2, "hsdp_shard_size": shard_size},
-                         rollout_resources={"num_workers": 2}, **changes)
+                         rollout_resources={"num_workers": 2}, attest={"enabled": True}, **changes)
     one_rank = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path, train_worker={"optimizer_steps": 2}, **changes),
                               total_train_steps=4, pad_token_id=pad_id)
     workers = RunWorkers(config)
@@ -251,7 +251,8 @@ def test_lora_on_two_ranks_makes_the_update_of_one_and_syncs_the_adapters_alone(
     batch, pad_id = rollout_batch
     changes = dict(loss={"kl_coef": 0.1}, experiment_name="lora-ranks", lora={"rank": 8, "alpha": 16}, optim={"lr": 1e-2},
                    cluster={"address": ray_cluster["address"], "ray_get_timeout_s": 120})
-    config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2}, rollout_resources={"num_workers": 2}, **changes)
+    config = tiny_config(tiny_model, reverse_data, tmp_path, train_resources={"num_workers": 2}, rollout_resources={"num_workers": 2},
+                         attest={"enabled": True}, **changes)
     one_rank = TrainingWorker(tiny_config(tiny_model, reverse_data, tmp_path, **changes), total_train_steps=4, pad_token_id=pad_id)
     workers = RunWorkers(config)
     workers.attach()

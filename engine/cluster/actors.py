@@ -37,6 +37,7 @@ from trellis.engine.weights.broadcast import (
     free_address,
     rejoin,
 )
+from trellis.engine.weights.attestation import attests, bucket_checksums
 from trellis.engine.weights.buckets import ROLLOUT_GPU_DTYPE, BucketLayout, flatten, layouts
 from trellis.engine.weights.cuda_ipc import SharedWeights, WeightSender, gpu_identity, receive
 from trellis.engine.weights.lora import AdapterMerger, adapter_merger
@@ -51,6 +52,7 @@ class BuiltFrom:
         self._name = ray.get_runtime_context().get_actor_name() or type(self).__name__
         self._fingerprint = fingerprint
         self._credentials = credentials
+        self._attests = attests(config)  # weight syncs are attested: their checksums are taken on both sides
         credentials.apply()
         set_up_process(config, side)
 
@@ -125,8 +127,8 @@ class TrainerActor(BuiltFrom):
         fault_point("trainer.sync_weights")
         self.release_shared_weights()
         self._sender = WeightSender(self.worker.export_weights(), float_dtype=ROLLOUT_GPU_DTYPE)
-        if self._config.attest.enabled:
-            self.worker.record_sent(self._sender.tensors())
+        if self._attests:
+            self.worker.sent_checksums = bucket_checksums(self._sender.tensors())
         return self._sender.shared()
 
     def release_shared_weights(self) -> None:
@@ -153,8 +155,8 @@ class TrainerActor(BuiltFrom):
         if self.rank == 0:
             group = self._weight_group
             buckets = flatten(weights, float_dtype=float_dtype, device=group.device)
-            if self._config.attest.enabled:
-                self.worker.record_sent({name: tensor for bucket in buckets for name, tensor in bucket.tensors()})
+            if self._attests:
+                self.worker.sent_checksums = bucket_checksums({name: tensor for bucket in buckets for name, tensor in bucket.tensors()})
             group.send(buckets)
 
     def _target(self) -> TrainingWorker:
@@ -173,8 +175,8 @@ class TrainerActor(BuiltFrom):
         return self._sent({name: tensor.cpu() for name, tensor in weights.items()}) if self.rank == 0 else {}
 
     def _sent(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._config.attest.enabled:
-            self.worker.record_sent(weights)
+        if self._attests:
+            self.worker.sent_checksums = bucket_checksums(weights)
         return weights
 
     def applied_step(self) -> int:
@@ -224,7 +226,7 @@ class RolloutActor(BuiltFrom):
 
     def _load(self, weights: Mapping[str, torch.Tensor], policy_version: int) -> None:
         """Every sync's way in: what arrived is recorded (and held until attested), then loaded."""
-        self.backend.load_weights(self.backend.intake.arrive(weights, policy_version, attested=self._config.attest.enabled), policy_version)
+        self.backend.load_weights(self.backend.intake.arrive(weights, policy_version, attested=self._attests), policy_version)
 
     def load_shared_weights(self, shared: SharedWeights, policy_version: int) -> int:
         fault_point("rollout.sync_weights")
@@ -263,7 +265,7 @@ class RolloutActor(BuiltFrom):
         fault_point("rollout.sync_weights")
         if self._merger is None:
             self._merger = adapter_merger(self._config)
-        adapter = self.backend.intake.arrive(adapter, policy_version, attested=self._config.attest.enabled)
+        adapter = self.backend.intake.arrive(adapter, policy_version, attested=self._attests)
         self.backend.load_weights(self._merger.merged(adapter), policy_version)
         return policy_version
 

@@ -42,13 +42,14 @@ from trellis.engine.cluster.placement import (
 from trellis.engine.cluster.weight_sync import push_weights
 from trellis.engine.config import TrellisConfig
 from trellis.engine.errors import WorkerLostError
+from trellis.engine.run.attested_sync import attested_sync
 from trellis.engine.run.code_bundle import CodeBundle, shipped_code
 from trellis.engine.run.identity import WorkerFingerprint
 from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
-from trellis.engine.weights.attestation import attested_sync
+from trellis.engine.weights.attestation import held
 
 logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
@@ -185,8 +186,10 @@ class RunWorkers:
             rollouts = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in range(self.count("rollout"))]
         applied = self.wait(trainers[0].applied_step.remote()) if trainers else 0
         served = self.wait([r.policy_version.remote() for r in rollouts]) if rollouts else [0]
-        if trainers and rollouts and applied > 0 and min(served) == 0:
-            self._load_trainer_weights()  # a rollout worker re-created after a loss takes the trainer's weights
+        if trainers and rollouts and ((applied > 0 and min(served) == 0) or self._unattested()):
+            # a rollout worker re-created after a loss takes the trainer's weights; one left holding
+            # weights whose attestation failed takes them again
+            self._load_trainer_weights()
         rollout_gpu = gpus_of(rollouts[:1], self._timeout_s)[0] if rollouts else None
         train_gpu = gpus_of(trainers[:1], self._timeout_s)[0] if trainers else None
         live = [controller, *trainers, *rollouts]
@@ -242,7 +245,7 @@ class RunWorkers:
         if "trainer" in self.roles and "rollout" in self.roles:
             applied = self.wait(self.actor("trainer").applied_step.remote())
             served = self.wait([r.policy_version.remote() for r in self.actors("rollout")])
-            if any(version != applied for version in served):
+            if any(version != applied for version in served) or self._unattested():
                 self._load_trainer_weights()
 
     def release(self) -> None:
@@ -316,15 +319,23 @@ class RunWorkers:
             except (RayTaskError, RayActorError) as error:
                 raise worker_error(error, self) from error
 
-        return attested_sync(self.config, policy_version, push, self.call_each, self.hand_accelerator_to)
+        trainer_gpu = gpus_of(self.actors("trainer")[:1], self._timeout_s)[0]
+        return attested_sync(self.config, policy_version, push, self.run_calls, self.hand_accelerator_to,
+                             shares_accelerator=not self.config.disaggregated and trainer_gpu is not None)
 
-    def call_each(self, role: Role, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(worker, *args)`` on every worker of ``role``; their results in order."""
-        return self.wait([actor.call.remote(fn, *args) for actor in self.actors(role)])
+    def run_calls(self, *calls: tuple[Role, Callable[..., Any], tuple]) -> list[list[Any]]:
+        """Each ``(role, fn, args)`` as ``fn(worker, *args)`` on every worker of its role, all at once;
+        per call, the workers' results in order."""
+        groups = [[actor.call.remote(fn, *args) for actor in self.actors(role)] for role, fn, args in calls]
+        flat = iter(self.wait([ref for group in groups for ref in group]))
+        return [[next(flat) for _ in group] for group in groups]
 
     def pids(self) -> dict[Role, int]:
         """The process of each live worker (the first of each role; tests compare them across runs)."""
         return {role: self.wait(self.actor(role).pid.remote()) for role in self.roles}
+
+    def _unattested(self) -> bool:
+        return any(self.run_calls(("rollout", held, ()))[0])
 
     def _load_trainer_weights(self) -> None:
         """Give (new) rollout workers the trainer's current weights, versioned by the trainer's step."""

@@ -3,10 +3,10 @@ YAML with errors a person can act on (``engine.config.loading``)."""
 
 from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.lora import LoraConfig
+from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
-    AttestConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,

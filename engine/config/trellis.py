@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.base import Frozen, Location, StorageOptions
 from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.lora import LoraConfig
@@ -19,7 +20,6 @@ from trellis.engine.config.rules import RULES
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
-    AttestConfig,
     DatasetConfig,
     DynamicSamplingConfig,
     LoadCheckpointConfig,

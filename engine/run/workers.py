@@ -18,7 +18,8 @@ from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.run.plan import Role
 from trellis.engine.storage.trackers import Trackers
 from trellis.engine.train.worker import TrainingWorker
-from trellis.engine.weights.attestation import attested_sync
+from trellis.engine.run.attested_sync import attested_sync
+from trellis.engine.weights.attestation import attests, bucket_checksums
 from trellis.engine.weights.lora import AdapterMerger, adapter_merger, sends_adapters
 
 
@@ -107,10 +108,11 @@ class LocalWorkers:
         """Weights go to the rollout engine while its KV cache sleeps, with no disk round trip; a LoRA
         policy's adapters alone, which the engine merges into its base (``engine.weights.lora``). Attested
         as on a cluster (``engine.weights.attestation``); returns the attestation's metrics."""
-        return attested_sync(self.config, policy_version, lambda: self._push(policy_version), self.call_each, self.hand_accelerator_to)
+        return attested_sync(self.config, policy_version, lambda: self._push(policy_version), self.run_calls, self.hand_accelerator_to,
+                             shares_accelerator=True)
 
     def _push(self, policy_version: int) -> None:
-        attested = self.config.attest.enabled
+        attested = attests(self.config)
         if sends_adapters(self.config, "in_process"):
             if self._merger is None:
                 self._merger = adapter_merger(self.config)
@@ -118,14 +120,14 @@ class LocalWorkers:
         else:
             sent = self.trainer.export_weights()
         if attested:
-            self.trainer.record_sent(sent)
+            self.trainer.sent_checksums = bucket_checksums(sent)
         arrived = self.backend.intake.arrive(sent, policy_version, attested=attested)
         if self._merger is not None:
             arrived = self._merger.merged(arrived)
         self.backend.load_weights(arrived, policy_version=policy_version)
 
-    def call_each(self, role: Role, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return [fn(worker, *args) for worker in self._of(role)]
+    def run_calls(self, *calls: tuple[Role, Callable[..., Any], tuple]) -> list[list[Any]]:
+        return [[fn(worker, *args) for worker in self._of(role)] for role, fn, args in calls]
 
     def replace_lost_rollout(self) -> bool:
         return False  # an engine of this process is not lost without the process

@@ -9,7 +9,7 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ from trellis.engine.train.varlen_attention import fa4_unavailable, use_varlen_at
 from trellis.engine.train.vision_batch import ImageTable, tower_output, with_vision
 from trellis.engine.vision.models import policy_auto_class
 from trellis.engine.vision.processor import VisionProcessor
-from trellis.engine.weights.attestation import BucketSum, bucket_checksums
+from trellis.engine.weights.attestation import BucketSum
 
 logger = logging.getLogger(__name__)
 
@@ -344,19 +344,12 @@ class TrainingWorker:
     def canary_logprobs(self, token_ids: list[int]) -> list[float]:
         """The logprob of each token after the first given those before it, at temperature 1, under the
         current weights: the trainer's side of a weight attestation's canary (every rank calls it)."""
-        sequence = TrainSequence(
-            input_ids=token_ids[:-1], labels=token_ids[1:], advantages=[0.0] * (len(token_ids) - 1),
-            rollout_logprobs=[0.0] * (len(token_ids) - 1),
-        )
-        (batch,) = self._micro_batches([sequence])
+        zeros = [0.0] * (len(token_ids) - 1)
+        (batch,) = self._micro_batches([TrainSequence(token_ids[:-1], token_ids[1:], zeros, zeros)])
         self.model.eval()  # fit sets train mode again
         with self.policy.at_temperature(1.0), self.routing.session(batch):
             logprobs = self._token_logprobs(self.policy, batch)[0]
         return logprobs.flatten().index_select(0, batch.label_index_K).tolist()
-
-    def record_sent(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """The checksums of the weights as they leave for the rollout, for the sync's attestation."""
-        self.sent_checksums = bucket_checksums(weights)
 
     def export_adapter(self) -> dict[str, torch.Tensor]:
         """A LoRA policy's adapters alone, by the base's module names (``engine.weights.lora``); every

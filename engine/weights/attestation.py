@@ -12,25 +12,24 @@ that it holds the trainer's. Two checks:
 An engine that took weights in is *held* (``WeightIntake``): it refuses to generate until the run
 admits the version, which only a passed attestation does. A failed attestation syncs again
 (``attest.sync_retries``), then fails the step (``WeightAttestationError``, with a page for the run's
-artifacts). Both ``Workers`` implementations run the same ``attested_sync``.
+artifacts). Both ``Workers`` implementations run the same ``engine.run.attested_sync``.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from trellis.engine.config import TrellisConfig
 from trellis.engine.devices import rollout_device
 from trellis.engine.faults import fault_flag
-from trellis.engine.run.run_log import run_log_for
 from trellis.engine.weights.buckets import BUCKET_BYTES
 
-_CHUNK_BYTES = 1 << 24  # bytes widened to int64 at a time: 128 MB of scratch on the device at most
+_STRIDE = 1021  # a prime: a move of whole tensors by a power of two is never a multiple of it
+_CHUNK_WORDS = _STRIDE << 14  # words widened to int64 at a time: 128 MB of scratch on the device at most
 
 # The two test hooks (``engine.faults``): bytes flipped in what an engine received, before its checksum
 # (a garbled transport), or after it, in what it loads (an engine that serves something else).
@@ -55,38 +54,77 @@ class BucketSum:
 
 def bucket_checksums(weights: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> tuple[BucketSum, ...]:
     """The tensors in order, cut into buckets of about ``bucket_bytes``; integer sums, so a GPU and a CPU,
-    or two orders of addition, agree to the last bit."""
+    or two orders of addition, agree to the last bit. Each tensor is read as words (``_words``); a
+    bucket's sums run over its words in order, a word weighted by its position."""
     sums: list[BucketSum] = []
-    names: list[str] = []
-    size = total = weighted = 0
-
-    def close() -> None:
-        sums.append(BucketSum(names[0], names[-1], len(names), size, total, weighted))
-
+    bucket = _Bucket()
     for name, tensor in weights.items():
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        if names and size + data.numel() > bucket_bytes:
-            close()
-            names, size, total, weighted = [], 0, 0, 0
-        tensor_total, tensor_weighted = _byte_sums(data, offset=size)
-        names.append(name)
-        size += data.numel()
-        total += tensor_total
-        weighted += tensor_weighted
-    if names:
-        close()
+        data = _words(tensor)
+        nbytes = data.numel() * data.element_size()
+        if bucket.names and bucket.size + nbytes > bucket_bytes:
+            sums.append(bucket.close())
+            bucket = _Bucket()
+        bucket.add(name, data, nbytes)
+    if bucket.names:
+        sums.append(bucket.close())
     return tuple(sums)
 
 
-def _byte_sums(data: torch.Tensor, offset: int) -> tuple[int, int]:
-    """The sum of the bytes, and their sum weighted by their position in the bucket (``offset`` on)."""
+class _Bucket:
+    """Sums a bucket's words as they come. Runs of small tensors of one word width are joined before
+    summing (the same words in the same order, so the same sums), which saves a pass per tensor."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.size = self.words = self.total = self.weighted = 0
+        self._pending: list[torch.Tensor] = []
+
+    def add(self, name: str, data: torch.Tensor, nbytes: int) -> None:
+        if self._pending and (self._pending[0].dtype != data.dtype or sum(t.numel() for t in self._pending) + data.numel() > _CHUNK_WORDS):
+            self._flush()
+        self._pending.append(data)
+        self.names.append(name)
+        self.size += nbytes
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        data = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
+        total, weighted = _word_sums(data, offset=self.words)
+        self.total, self.weighted, self.words = self.total + total, self.weighted + weighted, self.words + data.numel()
+        self._pending = []
+
+    def close(self) -> BucketSum:
+        self._flush()
+        return BucketSum(self.names[0], self.names[-1], len(self.names), self.size, self.total, self.weighted)
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat run of the widest integers their count divides into (4, 2 or 1
+    bytes): the width follows the size alone, so both sides read a tensor alike wherever it lies."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    for dtype in (torch.int32, torch.int16):
+        if data.numel() % dtype.itemsize == 0:
+            if data.storage_offset() % dtype.itemsize:  # a view into a bucket at an odd place
+                data = data.clone()
+            return data.view(dtype)
+    return data
+
+
+def _word_sums(data: torch.Tensor, offset: int) -> tuple[int, int]:
+    """The sum of the words, and their sum weighted by position in the bucket (``offset`` on), mod
+    ``_STRIDE``: a word's weight is ((offset + i) mod _STRIDE) + 1, so the weighted sum is the columns of
+    a [rows, _STRIDE] view summed, then weighted (one pass over the data). int64 sums wrap alike everywhere."""
     total = weighted = 0
-    for start in range(0, data.numel(), _CHUNK_BYTES):
-        chunk = data[start : start + _CHUNK_BYTES].to(torch.int64)
-        position = offset + start
-        ramp = torch.arange(position, position + chunk.numel(), device=chunk.device, dtype=torch.int64) % 251 + 1
-        total += int(chunk.sum())
-        weighted += int((chunk * ramp).sum())
+    weights = (torch.arange(_STRIDE, device=data.device, dtype=torch.int64) + offset) % _STRIDE + 1
+    for start in range(0, data.numel(), _CHUNK_WORDS):
+        chunk = data[start : start + _CHUNK_WORDS].to(torch.int64)
+        whole = chunk.numel() - chunk.numel() % _STRIDE
+        columns = chunk[:whole].view(-1, _STRIDE).sum(0)
+        tail = chunk[whole:]
+        # The chunk starts at a multiple of _STRIDE words (the chunk size is one), so its columns line up.
+        total += int(columns.sum()) + int(tail.sum())
+        weighted += int((columns * weights).sum()) + int((tail * weights[: tail.numel()]).sum())
     return total, weighted
 
 
@@ -108,9 +146,9 @@ def flipped_if_asked(weights: Mapping[str, torch.Tensor], point: str) -> Mapping
     if not fault_flag(point):
         return weights
     weights, size = dict(weights), 0
-    for name, tensor in list(weights.items()):
+    for index, (name, tensor) in enumerate(list(weights.items())):
         size += tensor.numel() * tensor.element_size()
-        if size > BUCKET_BYTES and name != next(iter(weights)):
+        if index and size > BUCKET_BYTES:
             break
         if tensor.is_floating_point():
             flipped = tensor.detach().clone().contiguous()
@@ -266,8 +304,27 @@ def admit(engine: Any) -> None:
     engine.intake.admit()
 
 
+def held(engine: Any) -> bool:
+    """Whether the engine waits for an attestation it never got (its sync's step failed)."""
+    return engine.intake.held
+
+
+CANARY_TOKENS = 32  # enough to see a wrong model; each more costs both sides a little forward
+
+
 def canary_tokens(controller: Any, text: str) -> list[int]:
-    return list(controller.tokenizer(text, add_special_tokens=False).input_ids)
+    return list(controller.tokenizer(text, add_special_tokens=False).input_ids)[:CANARY_TOKENS]
+
+
+
+
+def attests(config: TrellisConfig) -> bool:
+    """``attest.enabled``; unset: where the rollout runs on an accelerator. There the failures it catches
+    live (sleep and wake-up, CUDA IPC, NCCL, vLLM's weight loader) and a step lasts seconds; on CPU the
+    weights travel as whole tensors into transformers' own loader, and on the bundled tiny task the
+    check would cost 5-8% of a 0.55 s step (bench/attest_cost.py)."""
+    enabled = config.attest.enabled
+    return rollout_device(config).type != "cpu" if enabled is None else enabled
 
 
 def canary_tolerance(config: TrellisConfig) -> float:
@@ -277,42 +334,3 @@ def canary_tolerance(config: TrellisConfig) -> float:
     if config.rollout.quantization != "none":
         return 0.3
     return 0.1 if rollout_device(config).type == "cuda" else 1e-3
-
-
-# On every worker of a role, ``fn(worker, *args)``; their results in order.
-CallEach = Callable[..., list[Any]]
-
-
-def attested_sync(config: TrellisConfig, policy_version: int, push: Callable[[], Any], call_each: CallEach,
-                  hand_accelerator_to: Callable[[str], None]) -> dict[str, float]:
-    """``push`` the trainer's weights to the engines and, with ``attest.enabled``, attest them: the
-    trainer scores the canary, then the engines (each side holding the accelerator in turn), and the
-    evidence is compared. A failure pushes again, up to ``attest.sync_retries`` times, then raises
-    ``WeightAttestationError``; a pass admits the engines. Returns the ``attest/*`` metrics."""
-    settings = config.attest
-    if not settings.enabled:
-        push()
-        return {}
-    tolerance = canary_tolerance(config)
-    tokens = call_each("controller", canary_tokens, settings.canary_text)[0]
-    for attempt in range(1, settings.sync_retries + 2):
-        push()
-        started = time.perf_counter()
-        hand_accelerator_to("trainer")
-        trainer = call_each("trainer", trainer_evidence, tokens)[0]  # rank 0 sent the weights
-        hand_accelerator_to("rollout")
-        verdict = attest(trainer, call_each("rollout", engine_evidence, tokens), policy_version, tolerance)
-        verdict.seconds = time.perf_counter() - started
-        if verdict.passed:
-            call_each("rollout", admit)
-            return {
-                "attest/passed": 1.0,
-                "attest/retries": float(attempt - 1),
-                "attest/canary_diff_mean": max(d.mean for d in verdict.differences),
-                "attest/canary_diff_max": max(d.max for d in verdict.differences),
-                "time/attest": verdict.seconds,
-            }
-        failed = "; ".join(f"rollout engine {e}: {', '.join(r)}" for e, r in sorted(verdict.failures.items()))
-        again = "; syncing again" if attempt <= settings.sync_retries else ""
-        run_log_for(config).warning(f"The weight sync of step {policy_version} was not attested (attempt {attempt}): {failed}{again}")
-    raise WeightAttestationError(verdict, settings.sync_retries + 1)
