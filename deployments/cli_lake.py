@@ -68,7 +68,7 @@ def runs_ls(
     config: ConfigOption = None,
     storage_option: StorageOption = [],  # noqa: B006
 ) -> None:
-    """One line per run: steps done of planned, last train reward, last eval accuracy, checkpoints."""
+    """One line per run: steps done of planned, last train reward, last eval accuracy, checkpoints, goodput."""
     from trellis.engine.storage.lake_query import list_runs
     from trellis.engine.storage.store import Store
 
@@ -86,10 +86,11 @@ def runs_ls(
             "-" if s.last_eval_accuracy is None else f"{s.last_eval_accuracy:.3f}@{s.last_eval_step}",
             _some_steps(s.checkpoint_steps),
             _some_steps(s.hf_steps),
+            "-" if s.goodput_percent is None else f"{s.goodput_percent:.0f}%",
         ]
         for s in summaries
     ]
-    typer.echo(render_table(["RUN", "STEPS", "REWARD", "EVAL ACC@STEP", "CHECKPOINTS", "HF"], rows))
+    typer.echo(render_table(["RUN", "STEPS", "REWARD", "EVAL ACC@STEP", "CHECKPOINTS", "HF", "GOODPUT"], rows))
 
 
 def _or_dash(value: Any, form: str = "{}") -> str:

@@ -73,12 +73,15 @@ def sampled_groups(model, config, prompts) -> list:
     return produced.groups
 
 
+WALL_CLOCK = ("time/", "throughput/", "goodput/")  # metric prefixes whose figures come from timing
+
+
 def logged_metrics(config) -> dict[int, dict[str, float]]:
-    """metrics.jsonl by step, without wall-clock figures (time/*, throughput/*), which differ run to run."""
+    """metrics.jsonl by step, without wall-clock figures (time/*, throughput/*, goodput/*), which differ run to run."""
     with fsspec.open(f"{config.run_uri}/logs/metrics.jsonl", "r", **config.storage_options) as handle:
         records = [json.loads(line) for line in handle.read().splitlines()]
     return {
-        r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records
+        r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records
     }
 
 

@@ -31,7 +31,7 @@ from helpers import moto_s3_server, tiny_config
 RUN = "lake"
 BUCKET = "lake-shell"
 TRELLIS = str(Path(sys.executable).with_name("trellis"))
-REPORT_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch"}  # a colocated run's
+REPORT_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch", "goodput"}  # a colocated run's
 REWARDS_PER_STEP = "SELECT step, avg(reward) AS reward FROM trajectories WHERE split='train' GROUP BY step ORDER BY step"
 
 app = typer.Typer()
@@ -87,9 +87,13 @@ def test_runs_ls_shows_steps_reward_eval_and_checkpoints(work_dir):
     result = trellis("runs", "ls", str(work_dir))
     assert result.exit_code == 0, result.stderr
     header, line = result.stdout.splitlines()
-    assert header.split() == ["RUN", "STEPS", "REWARD", "EVAL", "ACC@STEP", "CHECKPOINTS", "HF"]
+    assert header.split() == ["RUN", "STEPS", "REWARD", "EVAL", "ACC@STEP", "CHECKPOINTS", "HF", "GOODPUT"]
     logged = metrics(work_dir)
-    assert line.split() == [RUN, "2/2", f"{logged[2]['response/rewards/mean']:.3f}", f"{logged[2]['eval/accuracy']:.3f}@2", "2", "2"]
+    goodput = sum(logged[s]["goodput/device_s/trained_tokens"] for s in (1, 2)) / sum(
+        v for s in (1, 2) for k, v in logged[s].items() if k.startswith("goodput/device_s/"))
+    assert 0 < goodput < 1
+    assert line.split() == [RUN, "2/2", f"{logged[2]['response/rewards/mean']:.3f}", f"{logged[2]['eval/accuracy']:.3f}@2", "2", "2",
+                            f"{100 * goodput:.0f}%"]
 
 
 def test_query_answers_as_pyarrow_reads_the_parts(work_dir):
@@ -182,7 +186,7 @@ def test_a_work_dir_that_does_not_exist(tmp_path):
 def test_a_run_without_trajectories_yet(tmp_path):
     (tmp_path / "starting" / "logs").mkdir(parents=True)
     listed = trellis("runs", "ls", str(tmp_path))
-    assert listed.stdout.splitlines()[1].split() == ["starting", "-/-", "-", "-", "-", "-"]
+    assert listed.stdout.splitlines()[1].split() == ["starting", "-/-", "-", "-", "-", "-", "-"]
     with pytest.raises(QueryError, match="starting has no trajectories yet"):
         query(RunRef(str(tmp_path / "starting")), "SELECT count(*) FROM trajectories")
     shown = trellis("trajectories", "show", "starting", "--step", "1", "--work-dir", str(tmp_path))

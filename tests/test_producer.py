@@ -273,6 +273,8 @@ def test_a_group_continued_across_syncs_that_arrives_too_stale_is_not_trained(tm
         assert batch.counters["async/staleness_max"] == 0.0
         assert {s.oldest_version for g in batch.groups for s in g} == {1}
         assert batch.counters["async/expired_groups"] >= 2
+        # goodput: the expired groups' responses were thrown away, 40 tokens a sample at least
+        assert batch.counters["async/discarded_tokens/expired"] >= 40 * batch.counters["async/expired_groups"]
     finally:
         producer.shutdown()
         rewards.close()

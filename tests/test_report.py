@@ -20,7 +20,7 @@ from trellis.engine.storage.store import Store
 from helpers import moto_s3_server, tiny_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-COLOCATED_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch"}
+COLOCATED_PANELS = {"reward", "eval", "response_length", "throughput", "mismatch", "goodput"}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,8 @@ SHOWN = {
     "mismatch": ("Rollout vs trainer logprob mismatch", "",
                  [["mismatch/abs_logprob_diff", "mismatch/abs_logprob_diff_max"], ["mismatch/k3_kl"]], None),
     "staleness": ("Staleness of trained samples (steps)", "steps", [["async/staleness_mean", "async/staleness_max"]], None),
+    # stacked: no lines; the legend names the parts, the first part's area is the "band" (from 0)
+    "goodput": ("Where each step's device-seconds went (goodput)", "device-seconds", "stacked", None),
 }
 
 
@@ -61,6 +63,13 @@ def points(records: list[dict], key: str) -> list[tuple[float, float]]:
 def expected_view(name: str, records: list[dict]) -> dict:
     """What panel ``name`` must show for ``records``: each line the metric's logged (step, value) points."""
     title, ylabel, subplots, band = SHOWN[name]
+    if subplots == "stacked":
+        parts = sorted({k for r in records for k in r if k.startswith("goodput/device_s/")})
+        first = points(records, parts[0])
+        return {"title": title, "subplots": [{
+            "xlabel": "step", "ylabel": ylabel, "lines": {}, "legend": [k.removeprefix("goodput/device_s/") for k in parts],
+            "band": {(step, 0.0) for step, _ in first} | set(first),
+        }]}
     if subplots is None:
         subplots = [sorted({k for r in records for k in r if k.startswith("throughput/") and k.endswith("_tgs")})]
     subplots = [logged for keys in subplots if (logged := [key for key in keys if points(records, key)])]

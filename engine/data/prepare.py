@@ -169,10 +169,28 @@ def prepare_train_data(
     if shuffle:
         random.Random(seed).shuffle(sequences)
     info = _response_info(valid, sequences, session_rewards, groups)
+    info.update(_token_fates(groups, mask_truncated))
     info["skipped_groups"] = float(sum(skipped.values()))
     info["filtered_groups"] = float(filtered)
     info["truncated_masked_samples"] = float(truncated)
     return PreparedBatch(sequences, info)
+
+
+def _token_fates(groups: list[list[RolloutSample]], mask_truncated: bool) -> dict[str, float]:
+    """The batch's generated response tokens by what became of them: trained, or discarded and why
+    (``group_outcome``; ``truncated``: cut at the budget and masked out). Goodput prices them."""
+    fates = {"trained_response_tokens": 0.0, **{f"discarded_tokens/{why}": 0.0 for why in ("filtered", "failed", "invalid", "truncated")}}
+    for group in groups:
+        outcome = group_outcome(group)[0]
+        for sample in group:
+            tokens = float(len(sample.response_ids))
+            if outcome != "trained":
+                fates[f"discarded_tokens/{outcome}"] += tokens
+            elif mask_truncated and sample.finish_reason == "length":
+                fates["discarded_tokens/truncated"] += tokens
+            else:
+                fates["trained_response_tokens"] += tokens
+    return fates
 
 
 def _batch_advantages(groups: list[list[RolloutSample]], config: AdvantageConfig) -> list[list[float]]:

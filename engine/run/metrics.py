@@ -11,6 +11,8 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trellis.engine.run.goodput import goodput_metrics
+
 
 @contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
@@ -121,7 +123,7 @@ class StepRecord:
 
 
 def assemble_step_metrics(
-    record: StepRecord, devices: RunDevices, now_s: float | None = None
+    record: StepRecord, devices: RunDevices, now_s: float | None = None, *, shared_devices: bool = True
 ) -> tuple[dict[str, float], RunCounters]:
     """All metrics of one step under the reference's names (``time/``, ``response/``, ``throughput/``...),
     and the run counters with this step added. The rollout's own counts are logged too
@@ -161,4 +163,5 @@ def assemble_step_metrics(
             devices=devices,
         )
     )
+    metrics.update(goodput_metrics(metrics, devices, shared=shared_devices))
     return metrics, counters

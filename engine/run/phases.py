@@ -211,7 +211,7 @@ def evaluate(ctx: PhaseContext, step: int) -> Evaluation:
 
 def log_step(ctx: PhaseContext, step: int, record: StepRecord) -> Logged:
     """The step's metrics to the run's trackers and text log; the run counters with the step added."""
-    metrics, counters = assemble_step_metrics(record, ctx.plan.devices)
+    metrics, counters = assemble_step_metrics(record, ctx.plan.devices, shared_devices=not ctx.config.disaggregated)
     ctx.workers.log_metrics(metrics, step)
     if ctx.plan.keeps_records:
         record_step(ctx.config, step, metrics)

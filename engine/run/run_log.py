@@ -117,6 +117,8 @@ def step_summary(step: int, total: int, metrics: Mapping[str, float]) -> str:
     add("eval", "eval/accuracy")
     add("tokens/s", "throughput/effective_tgs", ".0f")
     add("step_s", "time/step", ".2f")
+    if "goodput/percent" in metrics:
+        parts.append(f"goodput {metrics['goodput/percent']:.0f}%")
     timed = ("produce_batch", "get_batch", "fit", "sync_weights", "evaluate")
     phases = [f"{name} {metrics[f'time/{name}']:.2f}" for name in timed if f"time/{name}" in metrics]
     if phases:

@@ -67,6 +67,7 @@ class RunSummary:
     last_eval_step: int | None
     checkpoint_steps: tuple[int, ...]  # complete checkpoints only
     hf_steps: tuple[int, ...]  # complete HF exports only
+    goodput_percent: float | None = None  # of the logged steps' device-seconds (engine.run.goodput)
 
 
 def list_runs(work_dir: Store) -> list[RunSummary]:
@@ -88,7 +89,19 @@ def run_summary(ref: RunRef) -> RunSummary:
         last_eval_step=evaluated[-1] if evaluated else None,
         checkpoint_steps=tuple(SaveStore(ref.join("checkpoints")).complete_steps()),
         hf_steps=tuple(SaveStore(ref.join("hf")).complete_steps()),
+        goodput_percent=run_goodput(metrics),
     )
+
+
+def run_goodput(steps: dict[int, dict[str, Any]]) -> float | None:
+    """A run's goodput %: its steps' device-seconds that made trained tokens over all of them (the
+    ``goodput/device_s/*`` of ``engine.run.goodput``); None when no step logged any."""
+    trained = whole = 0.0
+    for record in steps.values():
+        parts = {key: value for key, value in record.items() if key.startswith("goodput/device_s/")}
+        trained += parts.get("goodput/device_s/trained_tokens", 0.0)
+        whole += sum(parts.values())
+    return 100.0 * trained / whole if whole > 0 else None
 
 
 def _metrics_by_step(fs: fsspec.AbstractFileSystem, path: str) -> dict[int, dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trellis.engine.storage.lake_query import run_goodput
 from trellis.engine.storage.report_samples import pictures_html, sample_pictures
 from trellis.engine.storage.store import Store
 
@@ -37,6 +38,7 @@ class Panel:
     # One subplot per tuple of metric keys (fnmatch patterns, so ``eval/pass@*`` finds any k).
     subplots: tuple[tuple[str, ...], ...]
     band: tuple[str, str] | None = None  # (low, high) keys shaded behind the first subplot's first line
+    stacked: bool = False  # the keys' values stacked, each step's total the top line (parts of a whole)
 
 
 PANELS = (
@@ -52,6 +54,8 @@ PANELS = (
     )),
     Panel("staleness", "Staleness of trained samples (steps)", "steps",
           (("async/staleness_mean", "async/staleness_max"),)),
+    Panel("goodput", "Where each step's device-seconds went (goodput)", "device-seconds", (("goodput/device_s/*",),),
+          stacked=True),
 )
 
 HEADLINE_LABELS = {
@@ -60,6 +64,7 @@ HEADLINE_LABELS = {
     "eval_accuracy": "Eval accuracy, first → last",
     "mean_step_s": "Mean step time (s)",
     "trained_tokens_per_s": "Trained tokens/s",
+    "goodput_percent": "Goodput (% of device-seconds that made trained tokens)",
 }
 
 
@@ -143,7 +148,9 @@ def panel_figure(panel: Panel, records: Records) -> Figure | None:
     FigureCanvasAgg(figure)  # explicit Agg canvas: no pyplot, no global backend switch in the caller's process
     figure.suptitle(panel.title)
     for index, (axes, keys) in enumerate(zip(figure.subplots(len(subplots), 1, squeeze=False)[:, 0], subplots)):
-        for key in keys:
+        if panel.stacked:
+            draw_stacked(axes, records, keys)
+        for key in keys if not panel.stacked else ():
             steps, values = series(records, key)
             # Markers keep a run of one or two logged steps visible.
             axes.plot(steps, values, label=key, marker="o" if len(steps) < 30 else None, markersize=3)
@@ -160,6 +167,14 @@ def png_of(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
     return buffer.getvalue()
+
+
+def draw_stacked(axes, records: Records, keys: list[str]) -> None:
+    """Each step's parts, stacked; a part a step did not log counts 0 there."""
+    rows = [r for r in records if any(isinstance(r.get(k), (int, float)) for k in keys)]
+    steps = [r["step"] for r in rows]
+    layers = [[float(r.get(key, 0.0)) for r in rows] for key in keys]
+    axes.stackplot(steps, layers, labels=[key.removeprefix("goodput/device_s/") for key in keys])
 
 
 def draw_band(axes, records: Records, band: tuple[str, str]) -> None:
@@ -187,6 +202,9 @@ def headline_figures(records: Records) -> dict[str, Any]:
         tokens = sum(series(records, "response/training_tokens")[1])
         if tokens:
             figures["trained_tokens_per_s"] = tokens / sum(step_times)
+    goodput = run_goodput({r["step"]: r for r in records})
+    if goodput is not None:
+        figures["goodput_percent"] = goodput
     return figures
 
 

@@ -110,6 +110,7 @@ class Producer:
         self._failure: BaseException | None = None
         self._pause_s = 0.0
         self._window = [0.0, 0, 0]  # seconds, samples, tokens produced since the previous batch
+        self._discarded: dict[str, int] = {}  # response tokens thrown away since the previous batch, by why (goodput)
         self._in_flight: list[list[RolloutSample]] = []  # groups of the round in progress not yet delivered
         self._trainer_waiting = False  # get_batch waits for groups
         self._part_size = max(1, config.train_batch_size // 4)  # groups per lake part otherwise
@@ -300,6 +301,7 @@ class Producer:
             self._resolved += [self._ledger.row(group) for group in groups if id(group) not in kept]
             self.progress.produced_groups += len(groups)
             self.progress.filtered_groups += len(groups) - len(trainable)
+            self._discard("filtered", [group for group in groups if id(group) not in kept])
             self._window[1] += sum(len(group) for group in groups)
             self._cond.notify_all()
 
@@ -318,7 +320,12 @@ class Producer:
 
     def _expired(self, group: list[RolloutSample], given_up: bool) -> None:
         """The buffer expires ``group`` (before dropping its responses): generated again, or given up."""
+        self._discard("given_up" if given_up else "expired", [group])
         self._resolved.append(self._ledger.row(group, "given_up" if given_up else "expired", f"older than {self._config.stale_after} steps"))
+
+    def _discard(self, why: str, groups: list[list[RolloutSample]]) -> None:
+        tokens = sum(len(sample.response_ids) for group in groups for sample in group)
+        self._discarded[why] = self._discarded.get(why, 0) + tokens
 
     def _ledger_entries(self) -> LedgerEntries:
         """The rows of the groups dropped since the last batch, and every group still open: buffered,
@@ -341,6 +348,9 @@ class Producer:
             "async/staleness_max": float(max(ages)) if ages else 0.0,
             "timing/pause_s": self._pause_s,
         }
+        if groups:  # an empty batch trains no step: what was thrown away counts with the next one
+            counters.update({f"async/discarded_tokens/{why}": float(self._discarded.get(why, 0)) for why in ("filtered", "expired", "given_up")})
+            self._discarded = {}
         pause_s, self._pause_s = self._pause_s, 0.0
         (seconds, samples, tokens), self._window = self._window, [0.0, 0, 0]
         ledger = self._ledger_entries() if groups else None  # an empty batch records nothing: the rows wait
