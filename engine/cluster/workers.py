@@ -49,7 +49,7 @@ from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_step
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
-from trellis.engine.weights.attestation import held
+from trellis.engine.weights.attestation import attests, held
 
 logger = logging.getLogger(__name__)
 _ACTOR_CLASSES = {"controller": ControllerActor, "trainer": TrainerActor, "rollout": RolloutActor}
@@ -319,9 +319,8 @@ class RunWorkers:
             except (RayTaskError, RayActorError) as error:
                 raise worker_error(error, self) from error
 
-        trainer_gpu = gpus_of(self.actors("trainer")[:1], self._timeout_s)[0]
-        return attested_sync(self.config, policy_version, push, self.run_calls, self.hand_accelerator_to,
-                             shares_accelerator=not self.config.disaggregated and trainer_gpu is not None)
+        shared = attests(self.config) and not self.config.disaggregated and gpus_of(self.actors("trainer")[:1], self._timeout_s)[0] is not None
+        return attested_sync(self.config, policy_version, push, self.run_calls, self.hand_accelerator_to, shares_accelerator=shared)
 
     def run_calls(self, *calls: tuple[Role, Callable[..., Any], tuple]) -> list[list[Any]]:
         """Each ``(role, fn, args)`` as ``fn(worker, *args)`` on every worker of its role, all at once;
@@ -335,7 +334,8 @@ class RunWorkers:
         return {role: self.wait(self.actor(role).pid.remote()) for role in self.roles}
 
     def _unattested(self) -> bool:
-        return any(self.run_calls(("rollout", held, ()))[0])
+        """Whether a rollout worker still holds weights whose attestation failed (its step failed)."""
+        return attests(self.config) and any(self.run_calls(("rollout", held, ()))[0])
 
     def _load_trainer_weights(self) -> None:
         """Give (new) rollout workers the trainer's current weights, versioned by the trainer's step."""
