@@ -316,13 +316,11 @@ def canary_tokens(controller: Any, text: str) -> list[int]:
     return list(controller.tokenizer(text, add_special_tokens=False).input_ids)[:CANARY_TOKENS]
 
 
-
-
 def attests(config: TrellisConfig) -> bool:
     """``attest.enabled``; unset: where the rollout runs on an accelerator. There the failures it catches
     live (sleep and wake-up, CUDA IPC, NCCL, vLLM's weight loader) and a step lasts seconds; on CPU the
     weights travel as whole tensors into transformers' own loader, and on the bundled tiny task the
-    check would cost 5-8% of a 0.55 s step (bench/attest_cost.py)."""
+    check cost 14% of a 0.55-0.87 s flow step (median of 4 alternated rounds; bench/attest_cost.py)."""
     enabled = config.attest.enabled
     return rollout_device(config).type != "cpu" if enabled is None else enabled
 
