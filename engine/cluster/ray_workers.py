@@ -29,16 +29,7 @@ class RayWorkers:
         return {**options, "name": f"{role}.{self._phase}"} if self._phase else options
 
     def run(self, *calls: Call) -> list[list[Any]]:
-        refs = [
-            [actor.call.options(**self._options(call.role)).remote(call.fn, *call.args) for actor in self.cluster.actors(call.role)]
-            for call in calls
-        ]
-        flat = self.cluster.wait([ref for group in refs for ref in group])  # every call at once; the first failure raised
-        results, start = [], 0
-        for group in refs:
-            results.append(flat[start:start + len(group)])
-            start += len(group)
-        return results
+        return self.cluster.run_calls(*[(call.role, call.fn, call.args) for call in calls], phase=self._phase)
 
     def keep(self, role: Role, fn: Callable[..., tuple[Any, Any]], *args: Any) -> tuple[Any, Any]:
         small, large = self.cluster.actor(role).call.options(**self._options(role, num_returns=2)).remote(fn, *args)

@@ -322,10 +322,14 @@ class RunWorkers:
         shared = attests(self.config) and not self.config.disaggregated and gpus_of(self.actors("trainer")[:1], self._timeout_s)[0] is not None
         return attested_sync(self.config, policy_version, push, self.run_calls, self.hand_accelerator_to, shares_accelerator=shared)
 
-    def run_calls(self, *calls: tuple[Role, Callable[..., Any], tuple]) -> list[list[Any]]:
-        """Each ``(role, fn, args)`` as ``fn(worker, *args)`` on every worker of its role, all at once;
-        per call, the workers' results in order."""
-        groups = [[actor.call.remote(fn, *args) for actor in self.actors(role)] for role, fn, args in calls]
+    def run_calls(self, *calls: tuple[Role, Callable[..., Any], tuple], phase: str | None = None) -> list[list[Any]]:
+        """Each ``(role, fn, args)`` as ``fn(worker, *args)`` on every worker of its role, all at once (the
+        first failure raised); per call, the workers' results in order. ``phase`` names the calls
+        (``trainer.fit``) for failures and Ray's dashboard."""
+        groups = [
+            [actor.call.options(**({"name": f"{role}.{phase}"} if phase else {})).remote(fn, *args) for actor in self.actors(role)]
+            for role, fn, args in calls
+        ]
         flat = iter(self.wait([ref for group in groups for ref in group]))
         return [[next(flat) for _ in group] for group in groups]
 

@@ -15,10 +15,10 @@ from typing import Any, Callable, Protocol
 from trellis.engine.config import TrellisConfig
 from trellis.engine.rollout.backends.base import RolloutBackend
 from trellis.engine.rollout.production.controller import Controller
+from trellis.engine.run.attested_sync import attested_sync
 from trellis.engine.run.plan import Role
 from trellis.engine.storage.trackers import Trackers
 from trellis.engine.train.worker import TrainingWorker
-from trellis.engine.run.attested_sync import attested_sync
 from trellis.engine.weights.attestation import attests, bucket_checksums
 from trellis.engine.weights.lora import AdapterMerger, adapter_merger, sends_adapters
 

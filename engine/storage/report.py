@@ -150,10 +150,11 @@ def panel_figure(panel: Panel, records: Records) -> Figure | None:
     for index, (axes, keys) in enumerate(zip(figure.subplots(len(subplots), 1, squeeze=False)[:, 0], subplots)):
         if panel.stacked:
             draw_stacked(axes, records, keys)
-        for key in keys if not panel.stacked else ():
-            steps, values = series(records, key)
-            # Markers keep a run of one or two logged steps visible.
-            axes.plot(steps, values, label=key, marker="o" if len(steps) < 30 else None, markersize=3)
+        else:
+            for key in keys:
+                steps, values = series(records, key)
+                # Markers keep a run of one or two logged steps visible.
+                axes.plot(steps, values, label=key, marker="o" if len(steps) < 30 else None, markersize=3)
         if index == 0 and panel.band:
             draw_band(axes, records, panel.band)
         axes.set_xlabel("step")
