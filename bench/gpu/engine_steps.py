@@ -86,6 +86,8 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         settings["lora"] = {"rank": args.lora, "alpha": 2 * args.lora, "sync": args.lora_sync}
     if args.torch_threads is not None:
         settings["cluster"] = {"torch_threads": args.torch_threads}
+    if getattr(args, "attest", "default") != "default":
+        settings["attest"] = {"enabled": args.attest == "on"}
     return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
 
 
@@ -109,6 +111,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--torch-threads", type=int, help="cluster.torch_threads (default: every core in process)")
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
     parser.add_argument("--return-routed-experts", action="store_true", help="MoE: rollout.return_routed_experts (router agreement)")
+    parser.add_argument("--attest", choices=("default", "on", "off"), default="default", help="attest.enabled (default: the config's)")
 
 
 def vllm_child_env() -> dict[str, str]:
@@ -130,6 +133,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--shape", args.shape, "--lora", str(args.lora), "--lora-sync", args.lora_sync, "--quantization", args.quantization]
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
+    argv += ["--attest", getattr(args, "attest", "default")]
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
 
 
@@ -138,7 +142,7 @@ def run_settings(config) -> dict:
     return config.model_dump(mode="json", include={
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
         "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature", "quantization"},
-        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "lora": True,
+        "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "lora": True, "attest": {"enabled"},
         "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype", "routing_replay"},
     })
 
