@@ -8,6 +8,9 @@ where, and to which process. Outside the tests the variable is unset and a point
 
 A ``fault_flag`` is a point that does not kill: it answers True when it fires (the caller then does the
 damage, as flipping a weight sync's bytes), and ``POINT COUNT TIMES`` makes it fire TIMES times in a row.
+
+``trainer.lr_spike`` is such a flag: the optimizer step that fires it runs at ``LR_SPIKE_FACTOR`` times its
+learning rate, the injected instability the stability guard's tests recover from.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 from pathlib import Path
 
 FAULT_FILE = "TRELLIS_FAULT_FILE"
+LR_SPIKE, LR_SPIKE_FACTOR = "trainer.lr_spike", 100.0
 
 
 def fault_point(name: str) -> None:
@@ -50,3 +54,11 @@ def _fires(name: str) -> bool:
     else:
         marker.unlink()
     return True
+
+
+def spike_lr_if_asked(param_groups: list[dict]) -> None:
+    """When ``trainer.lr_spike`` fires: this optimizer step's learning rate times ``LR_SPIKE_FACTOR`` (the
+    scheduler's next step sets it back)."""
+    if fault_flag(LR_SPIKE):
+        for group in param_groups:
+            group["lr"] *= LR_SPIKE_FACTOR

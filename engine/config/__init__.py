@@ -4,6 +4,7 @@ YAML with errors a person can act on (``engine.config.loading``)."""
 from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.attest import AttestConfig
+from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
@@ -29,6 +30,7 @@ __all__ = [
     "ClusterConfig",
     "DatasetConfig",
     "DynamicSamplingConfig",
+    "GuardConfig",
     "LoadCheckpointConfig",
     "LoraConfig",
     "LossConfig",

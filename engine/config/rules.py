@@ -242,7 +242,24 @@ def resource_problems(config: TrellisConfig) -> list[str]:
     return problems
 
 
+def guard_problems(config: TrellisConfig) -> list[str]:
+    guard = config.guard
+    if not guard.enabled:
+        return []
+    problems = []
+    if guard.on_trip == "rollback" and config.checkpoint_interval in (None, -1):
+        problems.append("guard.on_trip: rollback needs checkpoints to roll back to; set checkpoint_interval (e.g. 2), or guard.on_trip: stop.")
+    if guard.skip_batches and config.disaggregated:
+        problems.append(
+            "guard.skip_batches is for colocated runs: a disaggregated run's replay buffer holds prompts of the steps rolled "
+            "back, so it draws them again; set guard.skip_batches: false."
+        )
+    if guard.min_history > guard.window:
+        problems.append(f"guard.min_history ({guard.min_history}) cannot exceed guard.window ({guard.window}).")
+    return problems
+
+
 RULES = (
     task_problems, reward_problems, mode_problems, length_problems, interval_problems, algorithm_problems, trainer_problems,
-    routing_problems, precision_problems, resource_problems,
+    routing_problems, precision_problems, resource_problems, guard_problems,
 )

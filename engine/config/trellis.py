@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.base import Frozen, Location, StorageOptions
 from trellis.engine.config.cluster import ClusterConfig
+from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
 from trellis.engine.config.sections import (
@@ -78,6 +79,7 @@ class TrellisConfig(Frozen):
 
     sync_weights_interval: int = Field(1, description="Steps between weight syncs to the rollout workers; saves and evaluations fall on sync steps.")
     attest: AttestConfig = Field(default_factory=AttestConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     check_weights_interval: int = Field(
         0, ge=0,
         description="Every N-th weight sync, check that the rollout serves the trainer's weights (a few sums per "

@@ -23,6 +23,7 @@ from trellis.engine.config import TrainWorkerConfig, TrellisConfig
 from trellis.engine.data.prepare import PreparedBatch, TrainSequence
 from trellis.engine.devices import resolve_device
 from trellis.engine.errors import SettingError
+from trellis.engine.faults import spike_lr_if_asked
 from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp, worker_checkpoint
 from trellis.engine.train.compile import compile_decoder
@@ -118,6 +119,7 @@ class TrainingWorker:
         )
         self._pad_id = pad_token_id
         self.applied_step = 0
+        self.lr_scale = 1.0  # on the configured lr: lowered by the stability guard's rollbacks, kept in checkpoints
         self.sent_checksums: tuple[BucketSum, ...] = ()  # of the last weights sent to the rollout (attested syncs)
 
     def _set_up_computation(self, worker: TrainWorkerConfig) -> None:
@@ -267,6 +269,7 @@ class TrainingWorker:
             self.routing.observe(session, batch, agreement=first_pass and index < real, update=index < real)
         grad_norm = fsdp.to_plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_grad_norm))
         lr = self.optimizer.param_groups[0]["lr"]  # the scheduler's, or the run's own after a checkpoint load
+        spike_lr_if_asked(self.optimizer.param_groups)  # a test's injected instability (engine.faults)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:

@@ -44,7 +44,7 @@ _NO_OPTIMIZER = (
 def save_checkpoint(worker: TrainingWorker, checkpoint: Store, *, save_optimizer: bool) -> None:
     """Weights (or adapters), optimizer, scheduler, step and RNG states of ``worker``'s rank."""
     lora = worker.config.lora
-    state = {"applied_step": worker.applied_step, "scheduler": worker.scheduler.state_dict(), "rng": capture_rng(),
+    state = {"applied_step": worker.applied_step, "scheduler": worker.scheduler.state_dict(), "rng": capture_rng(), "lr_scale": worker.lr_scale,
              "moe": worker.routing.checkpoint_entry(), "lora": lora.model_dump(mode="json") if lora else None}
     optimizer = worker.optimizer if save_optimizer else None
     if worker.world > 1:
@@ -87,22 +87,24 @@ def load_checkpoint(worker: TrainingWorker, checkpoint: Store, *, load_optimizer
     if not load_optimizer:
         worker.optimizer.state.clear()
     worker.scheduler.load_state_dict(state["scheduler"])
-    _apply_optim_settings(worker)
+    worker.lr_scale = float(state.get("lr_scale", 1.0))
+    apply_optim_settings(worker)
     rank_state = checkpoint.join(f"trainer-rank{worker.rank}.pt")  # absent when the checkpoint had fewer ranks
     restore_rng((load_object(rank_state) if worker.rank and rank_state.exists() else state)["rng"])
     worker.applied_step = int(state["applied_step"])
     return worker.applied_step
 
 
-def _apply_optim_settings(worker: TrainingWorker) -> None:
+def apply_optim_settings(worker: TrainingWorker) -> None:
     """The checkpoint gives the schedule's position and AdamW's moments; the run's own settings give the
     hyperparameters (a loaded optimizer and scheduler would bring back the saved lr, betas and weight
     decay), so a resumed run, or a replay of a step, may change them. Unchanged settings give the same
-    lr, computed as LambdaLR computes it."""
+    lr, computed as LambdaLR computes it; the stability guard's ``lr_scale`` multiplies it."""
     optim, scheduler = worker.config.optim, worker.scheduler
-    scheduler.base_lrs = [optim.lr for _ in worker.optimizer.param_groups]
+    base = optim.lr * worker.lr_scale
+    scheduler.base_lrs = [base for _ in worker.optimizer.param_groups]
     for group, factor in zip(worker.optimizer.param_groups, scheduler.lr_lambdas):
-        group.update(initial_lr=optim.lr, lr=optim.lr * factor(scheduler.last_epoch), betas=optim.betas, eps=optim.eps,
+        group.update(initial_lr=base, lr=base * factor(scheduler.last_epoch), betas=optim.betas, eps=optim.eps,
                      weight_decay=optim.weight_decay)
 
 
