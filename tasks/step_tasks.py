@@ -22,6 +22,7 @@ from trellis.engine.config import TrellisConfig
 from trellis.engine.errors import SettingError
 from trellis.engine.run.phases import PHASES, Phase, PhaseContext, Retries, run_phase
 from trellis.engine.run.plan import RunPlan
+from trellis.engine.run.rollback import StabilityGuardTripped, rolled_back_page
 from trellis.engine.run.run_log import run_log_for
 from trellis.engine.weights.attestation import WeightAttestationError
 from trellis.tasks.artifacts import artifact_key, storage_link
@@ -68,13 +69,18 @@ def _eval_link(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> 
                          link_text=f"eval trajectories of step {step}: {evaluation.uri}")
 
 
+def _guard_page(config: TrellisConfig, step: int, inputs: tuple, rolled: Any) -> None:
+    create_markdown_artifact(key=artifact_key(config, "stability-guard"), markdown=rolled_back_page(rolled, config.guard),
+                             description=f"{config.experiment_name}: the stability guard tripped at step {step} and rolled back")
+
+
 def _nothing(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> None:
     """Metrics join the step's record, which log_step publishes."""
 
 
 PUBLISHERS: dict[str, Callable[[TrellisConfig, int, tuple, Any], None]] = {
     "metrics": _nothing, "metrics_table": _metrics_table, "step_links": _step_links, "checkpoint_link": _checkpoint_link,
-    "eval_link": _eval_link,
+    "eval_link": _eval_link, "guard_page": _guard_page,
 }
 
 
@@ -91,6 +97,10 @@ def phase_task(phase: Phase) -> Task:
         except WeightAttestationError as error:
             create_markdown_artifact(key=artifact_key(config, "weight-attestation"), markdown=error.page,
                                      description=f"{config.experiment_name}: the failed weight attestation of step {step}")
+            raise
+        except StabilityGuardTripped as error:
+            create_markdown_artifact(key=artifact_key(config, "stability-guard"), markdown=error.page,
+                                     description=f"{config.experiment_name}: the stability guard stopped the run at step {step}")
             raise
         for kind in phase.publishes:
             PUBLISHERS[kind](config, step, inputs, result)

@@ -128,12 +128,15 @@ class LocalRun:
     def _run_one(self, step: int, counters: RunCounters) -> StepOutcome:
         outcome = run_step(self._runner, plan_step(self.config, self.plan, step), counters)
         self.counters = outcome.counters
-        if outcome.advanced:
+        if outcome.rolled_back_to is not None:
+            self.step = outcome.rolled_back_to
+        elif outcome.advanced:
             self.step = outcome.step
         return outcome
 
     def train_step(self) -> StepReport:
-        """The next step; a disaggregated step whose batch expired syncs weights and goes again."""
+        """The next step; a disaggregated step whose batch expired syncs weights and goes again, and after a
+        rollback of the stability guard, the step after the checkpoint it went back to."""
         while not (outcome := self._run_one(self.step + 1, self.counters)).advanced:
             pass
         return StepReport(outcome.step, outcome.metrics, outcome.phases)

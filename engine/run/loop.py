@@ -1,5 +1,6 @@
 """The run around the steps, written once for both runners: the initial evaluation, the producer
-started, the steps in turn (a disaggregated step whose batch expired goes again), the producer paused,
+started, the steps in turn (a disaggregated step whose batch expired goes again; a step the stability
+guard rolled back goes on from the step after the checkpoint it went back to), the producer paused,
 the trackers closed and the run's report published.
 
 The flow (``flows.rl_train``) hands it a runner of Prefect tasks and runs each step as a flow run of its
@@ -60,7 +61,9 @@ def run_steps(
             progress.step = step
         outcome = run_one(step, counters)
         counters = outcome.counters
-        if outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
+        if outcome.rolled_back_to is not None:  # the stability guard took the run back to a checkpoint
+            step = outcome.rolled_back_to + 1
+        elif outcome.advanced:  # a disaggregated step whose batch expired synced weights and goes again
             done(outcome)
             step += 1
     if producing:

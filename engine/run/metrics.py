@@ -122,6 +122,18 @@ class StepRecord:
     phase_metrics: dict[str, float] = field(default_factory=dict)  # named in full by their phase (weights/*)
 
 
+def update_metrics(produce: dict[str, float], data_info: dict[str, float], fit_metrics: dict[str, float]) -> dict[str, float]:
+    """The step's metrics known once its update is applied, named as the logged step names them: what the
+    stability guard (``engine.run.guard``) judges."""
+    metrics = {f"response/{k}": v for k, v in data_info.items()}
+    for key, value in fit_metrics.items():
+        metrics[key if "/" in key else f"train/{key}"] = value
+    if "entropy" in fit_metrics:
+        metrics["entropy/train"] = fit_metrics["entropy"]
+    metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/", "agent/"))})
+    return metrics
+
+
 def assemble_step_metrics(
     record: StepRecord, devices: RunDevices, now_s: float | None = None, *, shared_devices: bool = True
 ) -> tuple[dict[str, float], RunCounters]:
@@ -133,14 +145,9 @@ def assemble_step_metrics(
     fit_metrics, eval_metrics = record.fit_metrics, record.eval_metrics
     counters = record.counters.after(samples=data_info["training_samples"], tokens=data_info["training_tokens"])
     metrics = {f"time/{k}": v for k, v in timings.items()}
-    metrics.update({f"response/{k}": v for k, v in data_info.items()})
-    for key, value in fit_metrics.items():
-        metrics[key if "/" in key else f"train/{key}"] = value
-    if "entropy" in fit_metrics:
-        metrics["entropy/train"] = fit_metrics["entropy"]
+    metrics.update(update_metrics(produce, data_info, fit_metrics))
     metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
     metrics.update(record.phase_metrics)
-    metrics.update({k: v for k, v in produce.items() if k.startswith(("trajectory/", "async/", "timing/", "sampling/", "agent/"))})
     # The rollout's own wall time (generating and scoring), also when it ran before the step that trained
     # it (launched early, or by the asynchronous producer): time/produce_batch only counts the wait for it.
     metrics["time/rollout"] = produce["produce_time_s"]

@@ -17,32 +17,23 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
-from trellis.engine.config import TrellisConfig
 from trellis.engine.faults import fault_point
 from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.rollout.production.produce import ProduceResult, produce_summary
 from trellis.engine.run.metrics import RunCounters, StepRecord, assemble_step_metrics
-from trellis.engine.run.plan import Role, RunPlan
+from trellis.engine.run.context import PhaseContext
+from trellis.engine.run.plan import Role
 from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Prepared
+from trellis.engine.run.rollback import check_stability, roll_back
 from trellis.engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
 from trellis.engine.run.run_log import record_step
-from trellis.engine.run.workers import Call, Workers, each
+from trellis.engine.run.workers import Call, each
 from trellis.engine.storage.checkpoints import step_name
 from trellis.engine.storage.store import Store
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.weights.fingerprint import fingerprint, largest_difference
 
 _POLL_S = 2.0  # how long one ask of the replay buffer holds the controller
-
-
-@dataclass(frozen=True)
-class PhaseContext:
-    """What every phase body gets."""
-
-    config: TrellisConfig
-    plan: RunPlan
-    workers: Workers
-    origin: str | None = None  # the orchestrator run writing (a Prefect flow run id), for the lake's lineage
 
 
 # -- where a batch comes from -------------------------------------------------------------------------
@@ -244,7 +235,7 @@ RETRIED, ONCE, NEVER = Retries(2), Retries(1, unless_setting_error=False), Retri
 
 # What a phase publishes besides its result: "metrics" join the step's metrics; the others are Prefect
 # artifacts in the flow (the step's metrics table, its links, the checkpoint's, the evaluation's).
-Publish = Literal["metrics", "metrics_table", "step_links", "checkpoint_link", "eval_link"]
+Publish = Literal["metrics", "metrics_table", "step_links", "checkpoint_link", "eval_link", "guard_page"]
 
 
 def replace_lost_rollout(ctx: PhaseContext) -> None:
@@ -297,6 +288,8 @@ EXPORT_HF = Phase("export_hf", "trainer", export_hf, retries=ONCE, on_retry=())
 PAUSE_PRODUCE = Phase("pause_produce", "controller", pause_produce, on_retry=())
 SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights, publishes=("metrics",))  # an attestation failure is not retried: it synced again already
 CHECK_WEIGHTS = Phase("check_weights", "rollout", check_weights, publishes=("metrics",))
+CHECK_STABILITY = Phase("check_stability", "controller", check_stability, on_retry=())
+ROLL_BACK = Phase("roll_back", "controller", roll_back, retries=NEVER, on_retry=(), publishes=("guard_page",))  # a failed one: the run resumes
 EVALUATE = Phase("evaluate", "controller", evaluate, publishes=("metrics",), needs="rollout")
 CONTINUE_PRODUCE = Phase("continue_produce", "controller", continue_produce)
 LOG_STEP = Phase("log_step", "controller", log_step, on_retry=(), publishes=("metrics_table", "step_links"))
@@ -306,9 +299,9 @@ LOG_EVALUATION = Phase("log_evaluation", "controller", log_evaluation, on_retry=
 PHASES: dict[str, Phase] = {
     phase.name: phase
     for phase in (
-        PRODUCE_BATCH, START_ROLLOUT, LOAD_BATCH, GET_BATCH, WRITE_TRAJECTORIES, PREPARE_DATA, FIT, SAVE_CHECKPOINT,
-        EXPORT_HF, PAUSE_PRODUCE, SYNC_WEIGHTS, CHECK_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP, COMMIT_CHECKPOINT,
-        LOG_EVALUATION,
+        PRODUCE_BATCH, START_ROLLOUT, LOAD_BATCH, GET_BATCH, WRITE_TRAJECTORIES, PREPARE_DATA, FIT, CHECK_STABILITY, ROLL_BACK,
+        SAVE_CHECKPOINT, EXPORT_HF, PAUSE_PRODUCE, SYNC_WEIGHTS, CHECK_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP,
+        COMMIT_CHECKPOINT, LOG_EVALUATION,
     )
 }
 

@@ -144,6 +144,7 @@ class StepPlan:
     check_weights: bool  # after sync_weights: the rollout serves the trainer's weights
     evaluate: bool
     launch_next_rollout: bool  # start_rollout[step + 1] before this step's records
+    check_stability: bool = False  # after fit: the stability guard's rules; a trip rolls back (engine.run.rollback)
     disaggregated: bool = False  # the producer runs beside the step; it pauses around a weight sync
 
 
@@ -167,6 +168,7 @@ def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
         check_weights=synced and _every(config.check_weights_interval, step // config.sync_weights_interval),
         evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
         launch_next_rollout=plan.overlap_next_rollout and rolls and not last and not config.disaggregated,
+        check_stability=config.guard.enabled and trains,
         disaggregated=config.disaggregated,
     )
 

@@ -73,3 +73,4 @@ class StepOutcome:
     counters: RunCounters
     phases: tuple[str, ...]  # the phases that ran, in their order
     advanced: bool = True  # False: no training happened (an expired batch); the step is run again
+    rolled_back_to: int | None = None  # the stability guard set this step aside: the run goes on after that step

@@ -3,8 +3,9 @@
 ``run_step`` calls the phases a ``StepPlan`` says are due, in this order:
 
     produce_batch (or load_batch) ─► write_trajectories (runs beside the next phases)
-        └─► prepare_data ─► fit ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► check_weights? ─► evaluate?
-            ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
+        └─► prepare_data ─► fit ─► check_stability? ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► check_weights?
+            ─► evaluate? ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
+                                  └─ tripped ─► roll_back (the run goes on after the checkpoint it went back to)
 
 Each phase is a row of ``engine.run.phases``; a runner runs it. The Prefect flow's runner makes each a
 named task run of the step's flow run, driving Ray actors (``tasks.phases``); the in-process runner
@@ -19,7 +20,8 @@ calls it on plain objects (``engine.run.local``). Two changes of order from the 
 The disaggregated trainer's step (``plan.disaggregated``) takes its batch from the replay buffer that
 a producer fills beside it, and pauses the producer only around a weight sync:
 
-    get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit
+    get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit ─► check_stability?
+        (tripped ─► pause_produce ─► roll_back ─► continue_produce)
         ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► check_weights? ─► evaluate?
             ─► continue_produce]
         ─► log_step ─► commit_checkpoint?
@@ -35,8 +37,10 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from trellis.engine.run.metrics import RunCounters, StepRecord, timer
+from trellis.engine.run.guard import Trip
+from trellis.engine.run.metrics import RunCounters, StepRecord, timer, update_metrics
 from trellis.engine.run.phases import (
+    CHECK_STABILITY,
     CHECK_WEIGHTS,
     COMMIT_CHECKPOINT,
     CONTINUE_PRODUCE,
@@ -49,6 +53,7 @@ from trellis.engine.run.phases import (
     PAUSE_PRODUCE,
     PREPARE_DATA,
     PRODUCE_BATCH,
+    ROLL_BACK,
     SAVE_CHECKPOINT,
     START_ROLLOUT,
     SYNC_WEIGHTS,
@@ -56,6 +61,7 @@ from trellis.engine.run.phases import (
     Phase,
 )
 from trellis.engine.run.plan import StepPlan
+from trellis.engine.run.rollback import RolledBack
 from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Pending, Prepared, StepOutcome
 
 BATCH_SOURCES = {phase.name: phase for phase in (PRODUCE_BATCH, LOAD_BATCH, GET_BATCH)}
@@ -115,6 +121,8 @@ def run_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> Step
     written = phases.beside(WRITE_TRAJECTORIES) if plan.write_trajectories else None
     prepared: Prepared = phases(PREPARE_DATA)
     fit_metrics: dict[str, float] = phases(FIT, prepared) if plan.fit else {}
+    if (trip := check_stability(phases, plan, batch, prepared, fit_metrics)) is not None:
+        return roll_back_step(phases, plan, trip, written)
     save_and_export(phases, plan)
     sync_and_check(phases, plan)
     if written is not None:
@@ -138,6 +146,9 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
     written = phases.beside(WRITE_TRAJECTORIES)
     prepared: Prepared = phases(PREPARE_DATA)
     fit_metrics: dict[str, float] = phases(FIT, prepared)
+    if (trip := check_stability(phases, plan, batch, prepared, fit_metrics)) is not None:
+        phases(PAUSE_PRODUCE)
+        return roll_back_step(phases, plan, trip, written)
     eval_metrics: dict[str, float] = {}
     synced = plan.sync_weights or batch.expired
     if synced:
@@ -152,6 +163,24 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
     phases.timings["step"] = time.time() - phases.started_s
     record = phases.record(batch, prepared, fit_metrics, eval_metrics, counters)
     return phases.finish(plan, record, plan.save_checkpoint and synced)
+
+
+def check_stability(phases: StepPhases, plan: StepPlan, batch: BatchHandle, prepared: Prepared,
+                    fit_metrics: dict[str, float]) -> Trip | None:
+    """The stability guard's rules over the step's metrics once its update is applied (when enabled)."""
+    if not plan.check_stability:
+        return None
+    return phases(CHECK_STABILITY, update_metrics(batch.metrics, prepared.info, fit_metrics))
+
+
+def roll_back_step(phases: StepPhases, plan: StepPlan, trip: Trip, written: Pending[str] | None) -> StepOutcome:
+    """A tripped guard: the step goes no further; the run goes back to a good checkpoint and on from there."""
+    if written is not None:
+        written.result()  # its partition is set aside with the step's other records
+    rolled: RolledBack = phases(ROLL_BACK, trip)
+    if plan.disaggregated:
+        phases(CONTINUE_PRODUCE, step=rolled.to_step)
+    return StepOutcome(plan.step, {}, rolled.counters, tuple(phases.ran), advanced=False, rolled_back_to=rolled.to_step)
 
 
 def save_and_export(phases: StepPhases, plan: StepPlan) -> None:

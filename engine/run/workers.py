@@ -57,6 +57,7 @@ class Workers(Protocol):
     def sync_weights(self, policy_version: int) -> dict[str, float]: ...
     def replace_lost_rollout(self) -> bool: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def open_trackers(self, first_step: int) -> None: ...
     def close_trackers(self) -> None: ...
 
 
@@ -135,6 +136,12 @@ class LocalWorkers:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.trackers is not None:
             self.trackers.log(metrics, step)
+
+    def open_trackers(self, first_step: int) -> None:
+        """The trackers again from ``first_step`` (the metrics past it are written anew); none when not tracking."""
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = Trackers(self.config, first_step)
 
     def close_trackers(self) -> None:
         if self.trackers is not None:

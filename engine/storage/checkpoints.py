@@ -98,6 +98,11 @@ class SaveStore:
             json.dump({"step": step, "sealed_at": time.time(), **(record or {})}, handle)
         self._write_meta()
 
+    def unseal(self, step: int) -> None:
+        """``step`` is no longer complete (its files stay): nothing resumes or rolls back to it."""
+        self.fs.rm(f"{self._path}/{step_name(step)}/{MARKER}")
+        self._write_meta()
+
     def prune(self, keep: int | None) -> list[int]:
         """Keep the newest ``keep`` complete folders (None or -1: all); drop incomplete leftovers older
         than the newest complete one. Returns the steps removed."""

@@ -10,8 +10,10 @@
 A group's status is ``trained``, or why its prompt was dropped: ``failed`` (a sample's reward
 failed), ``filtered`` (dynamic sampling: rewards all equal, or surplus), ``invalid`` (a sample was
 aborted or came back empty), ``given_up`` (it grew too stale and ``tail_batch_trigger_size: -1``
-drops such prompts); all five end the prompt. ``expired`` does not: the group grew too stale, its
-responses were dropped and its prompt is generated again, so a later row ends it.
+drops such prompts), ``rolled_back`` (trained in a step the stability guard rolled back, with
+``guard.skip_batches``: never trained on again); all six end the prompt. ``expired`` does not: the
+group grew too stale, its responses were dropped and its prompt is generated again, so a later row
+ends it.
 
 ``sampler`` is ``train_dataset`` for a one-task run and the task's name in a multi-task run (each
 task has its own sampler and epochs); ``prompt_index`` is the prompt's row in that dataset.
@@ -36,7 +38,7 @@ from trellis.engine.data.samples import RolloutSample
 from trellis.engine.storage.lake import write_part, write_table
 from trellis.engine.storage.store import Store
 
-ENDING = ("trained", "failed", "filtered", "invalid", "given_up")
+ENDING = ("trained", "failed", "filtered", "invalid", "given_up", "rolled_back")
 STATUSES = (*ENDING, "expired")
 SINGLE_TASK = "train_dataset"  # the sampler of a run without ``tasks:``
 

@@ -121,7 +121,9 @@ def _check_epoch(
 
 def _read_parts(fs: fsspec.AbstractFileSystem, root: str, table: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for path in sorted(fs.glob(f"{root}/{table}/step=*/part-0.parquet")):
+    # groups: a step's own part-0, and the rows a rollback ended in its later parts (engine.storage.rollbacks)
+    parts = "part-*.parquet" if table == "groups" else "part-0.parquet"
+    for path in sorted(fs.glob(f"{root}/{table}/step=*/{parts}")):
         with fs.open(path, "rb") as handle:
             # Threads reading a Python file object can abort the interpreter at its exit (apache/arrow#34314).
             rows += pq.read_table(handle, use_threads=False).to_pylist()

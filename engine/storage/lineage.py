@@ -28,6 +28,7 @@ from trellis.engine.storage.checkpoints import (
     read_json,
     write_json,
 )
+from trellis.engine.storage.rollbacks import read_trips
 from trellis.engine.storage.store import Store
 
 _STEP_IN_NAME = re.compile(r"step-(\d+)/?$")
@@ -208,14 +209,27 @@ def lineage_chain(run: Store, step: int) -> list[Link]:
         flow_runs = [trained["flow_run_id"]] if trained["flow_run_id"] else []
         chain.append(Link("trajectories", f"step {trained['step']} (policy versions {versions})", trained["partition"], flow_runs))
     parent = lineage["parent"]
+    same_run = parent["kind"] == "checkpoint" and parent.get("run", "").rstrip("/") == run_uri.rstrip("/")
+    chain += rolled_back_branches(run, after=int(parent["step"]) if same_run else 0, before=step)
     if parent["kind"] == "checkpoint":
-        same_run = parent.get("run", "").rstrip("/") == run_uri.rstrip("/")
         what = f"step {parent['step']}" + ("" if same_run else f" of {parent.get('run')} (forked from)")
         chain.append(Link("continues", what, parent["uri"]))
     else:
         chain.append(Link("continues", "the initial model", parent["uri"]))
     return chain
 
+
+
+def rolled_back_branches(run: Store, *, after: int, before: int) -> list[Link]:
+    """The branches the stability guard cut off between two checkpoints of a chain: each rollback that went
+    back to a step in [``after``, ``before``), with the steps it set aside (``engine.storage.rollbacks``)."""
+    links = []
+    for trip in read_trips(run):
+        if trip.get("action") == "rollback" and after <= trip["to_step"] < before:
+            steps = trip["discarded"]
+            links.append(Link("rolled back", f"steps {steps[0]}-{steps[-1]} after step {trip['to_step']}: {', '.join(trip['rules'])} "
+                              f"tripped at step {trip['step']} (rollback {trip['rollback']}; set aside)", trip["archive"]))
+    return links
 
 
 def trace_sample(run: Store, rollout_id: str) -> dict[str, Any]:

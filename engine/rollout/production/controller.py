@@ -65,6 +65,7 @@ class Controller:
         self.ledger = PromptLedger(config, inputs.samplers)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
+        self.guard_state: dict[str, Any] = {}  # the stability guard's history (engine.run.guard), checkpointed with the rest
         self.producer: Producer | None = None
         if config.disaggregated:
             self.producer = Producer(
@@ -189,7 +190,7 @@ class Controller:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"sampler": self.sampler.state_dict(), "rng": capture_rng()}
+        state = {"sampler": self.sampler.state_dict(), "rng": capture_rng(), "guard": self.guard_state}
         if self.producer is not None:
             state["producer"] = self.producer.state_dict()
         return state
@@ -199,6 +200,7 @@ class Controller:
             self.sampler.load_state_dict(state["sampler"])
         self._sampler_before_step.clear()
         self._produced.clear()
+        self.guard_state = dict(state.get("guard", {}))
         restore_rng(state["rng"])
         if self.producer is not None and "producer" in state:
             self.producer.load_state_dict(state["producer"])
