@@ -29,8 +29,9 @@ class GuardConfig(Frozen):
         10.0, gt=1.0, description="Trip when train/grad_norm exceeds this many times its running median.",
     )
     reward_collapse: float | None = Field(
-        0.5, gt=0.0, lt=1.0, description="Trip when the mean reward (response/rewards/mean) falls below this fraction of its "
-        "running median; a median at or below 0 is not judged by this rule (use reward_drop).",
+        0.25, gt=0.0, lt=1.0, description="Trip when the mean reward (response/rewards/mean) falls below this fraction of its "
+        "running median; a median at or below 0 is not judged by this rule (use reward_drop). Batches of harder prompts "
+        "swing the tiny task's asynchronous run to 0.44 of its median; a collapsed policy scores ~0.",
     )
     reward_drop: float | None = Field(
         None, gt=0.0, description="Trip when the mean reward falls more than this below its running median, in the reward's "

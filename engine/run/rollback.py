@@ -76,9 +76,12 @@ def check_stability(ctx: PhaseContext, step: int, metrics: dict[str, float]) -> 
 
 
 def good_checkpoint(config: TrellisConfig, step: int) -> tuple[int, str] | None:
-    """The latest complete checkpoint confirmed by ``guard.confirm_steps`` passed steps before ``step``."""
+    """The latest complete checkpoint confirmed by ``guard.confirm_steps`` passed steps before ``step``. A
+    disaggregated run trains a policy's rollouts up to ``replay_buffer.max_staleness`` steps later, so its
+    checkpoints wait that much longer to be confirmed."""
     saved = SaveStore(Store(config.checkpoint_uri, config.storage_options))
-    good = [s for s in saved.complete_steps() if s + config.guard.confirm_steps < step]
+    lag = config.guard.confirm_steps + (config.replay_buffer.max_staleness if config.disaggregated else 0)
+    good = [s for s in saved.complete_steps() if s + lag < step]
     return (good[-1], saved.uri(good[-1])) if good else None
 
 
