@@ -96,6 +96,11 @@ def test_an_lr_spike_trips_the_guard_which_rolls_back_and_the_run_still_learns(t
     # The prompts are drawn again in the same order: step 5 again samples what it sampled before the spike.
     assert logged[5]["response/rewards/mean"] == set_aside[0]["response/rewards/mean"]
     assert SaveStore(Store(f"{config.run_uri}/checkpoints")).complete_steps() == [2, 4, 6, 8, 10]
+    # Goodput: every device-second of steps 5 and 6 as logged, and of the tripped step 7, counted as thrown
+    # away in the first step logged after the rollback.
+    spent = sum(v for m in set_aside for k, v in m.items() if k.startswith("goodput/device_s/"))
+    assert logged[5]["goodput/device_s/discarded/rolled_back"] == logged[5]["guard/rolled_back_device_s"] > spent > 0
+    assert "guard/rolled_back_device_s" not in logged[6]
     assert logged[10]["eval/accuracy"] > logged[0]["eval/accuracy"] + 0.05  # it still learns the task
     log = (run_dir / "logs" / "run.log").read_text()
     assert "Step 7: the stability guard tripped (reward_collapse: response/rewards/mean = 0" in log

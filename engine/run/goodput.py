@@ -6,8 +6,9 @@ they share them (colocated), both where each side has its own (disaggregated). T
 - ``trained_tokens``: generating the responses the step trained on, and training on them (``fit``);
 - ``discarded/<why>``: generating responses thrown away: ``filtered`` by dynamic sampling, ``failed``
   (a reward or generation error spoiled the group), ``invalid`` (aborted, empty), ``truncated``
-  (cut at the budget and masked out), and in the asynchronous trainer ``expired`` (too stale, to be
-  generated again) and ``given_up``;
+  (cut at the budget and masked out), in the asynchronous trainer ``expired`` (too stale, to be
+  generated again) and ``given_up``, and ``rolled_back``: every device-second of the steps the
+  stability guard set aside, counted in the first step logged after the rollback;
 - ``other_generation``: generated in this step's window but neither trained nor thrown away in it
   (the asynchronous trainer's groups waiting for a later step, dynamic sampling's surplus);
 - ``sync`` and ``attest``: the weight sync and its attestation, with every device waiting on them;
@@ -37,6 +38,7 @@ DISCARDED = {
     "async/discarded_tokens/given_up": "given_up",
 }
 PREFIX = "goodput/device_s/"  # engine.storage.lake_query.run_goodput sums them over a run
+ROLLED_BACK_S = "guard/rolled_back_device_s"  # the step metric of the device-seconds a rollback threw away
 
 
 def goodput_metrics(metrics: Mapping[str, float], devices: RunDevices, *, shared: bool) -> dict[str, float]:
@@ -49,6 +51,7 @@ def goodput_metrics(metrics: Mapping[str, float], devices: RunDevices, *, shared
         "trained_tokens": metrics.get("time/fit", 0.0) * train,
         "sync": max(0.0, metrics.get("time/sync_weights", 0.0) - attest_s) * every,
         "attest": attest_s * every,
+        "discarded/rolled_back": metrics.get(ROLLED_BACK_S, 0.0),
     }
     generation_s = metrics.get("time/rollout", 0.0) * rollout
     produced = metrics.get("rollout/produced_tokens", 0.0)

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trellis.engine.run.goodput import goodput_metrics
+from trellis.engine.run.goodput import ROLLED_BACK_S, goodput_metrics
 
 
 @contextmanager
@@ -34,6 +34,7 @@ class RunCounters(BaseModel):
     started_s: float
     samples: float = 0.0
     tokens: float = 0.0
+    rolled_back_device_s: float = 0.0  # spent on steps the stability guard set aside, not logged yet (goodput)
 
     @classmethod
     def fresh(cls) -> RunCounters:
@@ -51,7 +52,7 @@ class RunCounters(BaseModel):
         )
 
     def after(self, *, samples: float, tokens: float) -> RunCounters:
-        return self.model_copy(update={"samples": self.samples + samples, "tokens": self.tokens + tokens})
+        return self.model_copy(update={"samples": self.samples + samples, "tokens": self.tokens + tokens, "rolled_back_device_s": 0.0})
 
 
 class SideDevices(BaseModel):
@@ -148,6 +149,8 @@ def assemble_step_metrics(
     metrics.update(update_metrics(produce, data_info, fit_metrics))
     metrics.update({f"eval/{k}": v for k, v in eval_metrics.items()})
     metrics.update(record.phase_metrics)
+    if record.counters.rolled_back_device_s:
+        metrics[ROLLED_BACK_S] = record.counters.rolled_back_device_s
     # The rollout's own wall time (generating and scoring), also when it ran before the step that trained
     # it (launched early, or by the asynchronous producer): time/produce_batch only counts the wait for it.
     metrics["time/rollout"] = produce["produce_time_s"]

@@ -34,7 +34,7 @@ from trellis.engine.run.metrics import RunCounters
 from trellis.engine.run.run_log import run_log_for
 from trellis.engine.run.workers import Call, each
 from trellis.engine.storage.checkpoints import SaveStore, require_complete
-from trellis.engine.storage.rollbacks import read_trips, record_trip, set_aside
+from trellis.engine.storage.rollbacks import read_trips, record_trip, set_aside, set_aside_device_s
 from trellis.engine.storage.store import Store
 from trellis.engine.train.worker import TrainingWorker
 from trellis.engine.train.worker_checkpoint import apply_optim_settings
@@ -95,7 +95,9 @@ def _rewind_trainer_on(trainer: TrainingWorker, checkpoint: Store, load_optimize
     apply_optim_settings(trainer)
 
 
-def roll_back(ctx: PhaseContext, step: int, trip: Trip) -> RolledBack:
+def roll_back(ctx: PhaseContext, step: int, trip: Trip, counters: RunCounters, tripped_s: float) -> RolledBack:
+    """Back to the last good checkpoint (the module's docstring says what that takes). ``counters``: the
+    run's before the tripped step, which ran ``tripped_s`` seconds."""
     config, rules = ctx.config, ctx.config.guard
     run = Store(config.run_uri, config.storage_options)
     rollbacks = sum(1 for earlier in read_trips(run) if earlier.get("action") == "rollback")
@@ -120,7 +122,7 @@ def roll_back(ctx: PhaseContext, step: int, trip: Trip) -> RolledBack:
     if "rollout" in ctx.workers.roles and "trainer" in ctx.workers.roles:
         ctx.workers.sync_weights(to_step)
     rolled = RolledBack(trip, number, to_step, checkpoint, tuple(discarded), lr_scale, archive,
-                        RunCounters.resumed(require_complete(Store(checkpoint, config.storage_options))))
+                        _counters_after(ctx, counters, checkpoint, archive, tripped_s))
     record_trip(run, {**trip_record(trip), "action": "rollback", "rollback": number, "to_step": to_step, "checkpoint": checkpoint,
                       "discarded": discarded, "lr_scale": lr_scale, "skip_batches": rules.skip_batches, "archive": archive})
     prompts = "never trained on again" if rules.skip_batches else "drawn again"
@@ -130,6 +132,17 @@ def roll_back(ctx: PhaseContext, step: int, trip: Trip) -> RolledBack:
         f"{prompts}; learning rate now {lr_scale:g} x the configured one."
     )
     return rolled
+
+
+def _counters_after(ctx: PhaseContext, counters: RunCounters, checkpoint: str, archive: str, tripped_s: float) -> RunCounters:
+    """The run's wall clock goes on; its trained samples and tokens are the checkpoint's again; the device-
+    seconds of the steps set aside (and of the tripped one) wait for the next logged step's goodput."""
+    config, devices = ctx.config, ctx.plan.devices
+    restored = RunCounters.resumed(require_complete(Store(checkpoint, config.storage_options)))
+    every = devices.train.devices + devices.rollout.devices if config.disaggregated else max(devices.train.devices, devices.rollout.devices)
+    spent = set_aside_device_s(Store(archive, config.storage_options)) + tripped_s * every
+    return counters.model_copy(update={"samples": restored.samples, "tokens": restored.tokens,
+                                       "rolled_back_device_s": counters.rolled_back_device_s + spent})
 
 
 def _stop(config: TrellisConfig, run: Store, trip: Trip, rollbacks: int, target: tuple[int, str] | None) -> None:

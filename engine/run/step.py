@@ -122,7 +122,7 @@ def run_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> Step
     prepared: Prepared = phases(PREPARE_DATA)
     fit_metrics: dict[str, float] = phases(FIT, prepared) if plan.fit else {}
     if (trip := check_stability(phases, plan, batch, prepared, fit_metrics)) is not None:
-        return roll_back_step(phases, plan, trip, written)
+        return roll_back_step(phases, plan, trip, written, counters)
     save_and_export(phases, plan)
     sync_and_check(phases, plan)
     if written is not None:
@@ -148,7 +148,7 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
     fit_metrics: dict[str, float] = phases(FIT, prepared)
     if (trip := check_stability(phases, plan, batch, prepared, fit_metrics)) is not None:
         phases(PAUSE_PRODUCE)
-        return roll_back_step(phases, plan, trip, written)
+        return roll_back_step(phases, plan, trip, written, counters)
     eval_metrics: dict[str, float] = {}
     synced = plan.sync_weights or batch.expired
     if synced:
@@ -173,11 +173,12 @@ def check_stability(phases: StepPhases, plan: StepPlan, batch: BatchHandle, prep
     return phases(CHECK_STABILITY, update_metrics(batch.metrics, prepared.info, fit_metrics))
 
 
-def roll_back_step(phases: StepPhases, plan: StepPlan, trip: Trip, written: Pending[str] | None) -> StepOutcome:
+def roll_back_step(phases: StepPhases, plan: StepPlan, trip: Trip, written: Pending[str] | None,
+                   counters: RunCounters) -> StepOutcome:
     """A tripped guard: the step goes no further; the run goes back to a good checkpoint and on from there."""
     if written is not None:
         written.result()  # its partition is set aside with the step's other records
-    rolled: RolledBack = phases(ROLL_BACK, trip)
+    rolled: RolledBack = phases(ROLL_BACK, trip, counters, time.time() - phases.started_s)
     if plan.disaggregated:
         phases(CONTINUE_PRODUCE, step=rolled.to_step)
     return StepOutcome(plan.step, {}, rolled.counters, tuple(phases.ran), advanced=False, rolled_back_to=rolled.to_step)

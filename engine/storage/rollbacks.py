@@ -106,3 +106,13 @@ def _set_aside_metrics(run: Store, archive: Store, first: int) -> None:
     if lines:
         with archive.join("metrics.jsonl").open("w") as handle:
             handle.write("\n".join(lines) + "\n")
+
+
+def set_aside_device_s(archive: Store) -> float:
+    """The device-seconds the set-aside steps had logged (their ``goodput/device_s/*``)."""
+    metrics = archive.join("metrics.jsonl")
+    if not metrics.exists():
+        return 0.0
+    with metrics.open("r") as handle:
+        lines = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+    return sum(value for line in lines for key, value in line.items() if key.startswith("goodput/device_s/"))
