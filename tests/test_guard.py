@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,7 +145,15 @@ def test_the_guard_stops_the_run_when_it_may_not_roll_back(tiny_model, reverse_d
         run.run()
 
 
-def test_a_rollback_needs_checkpoints(tiny_model, reverse_data, tmp_path):
+def test_a_rollback_needs_checkpoints_and_bad_guard_settings_are_named(tiny_model, reverse_data, tmp_path):
+    from trellis.engine.config.loading import ConfigError
+
+    for guard, says in [({"max_rollbacks": 0}, "guard.max_rollbacks: Input should be greater than or equal to 1"),
+                        ({"lr_factr": 0.5}, "guard.lr_factr: unknown key; did you mean 'lr_factor'?"),
+                        ({"entropy_collapse": 2.0}, "guard.entropy_collapse: Input should be less than 1"),
+                        ({"enabled": True, "window": 2, "min_history": 3}, "guard.min_history (3) cannot exceed guard.window (2)")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            tiny_config(tiny_model, reverse_data, tmp_path, guard=guard)
     with pytest.raises(ValueError, match="guard.on_trip: rollback needs checkpoints to roll back to"):
         tiny_config(tiny_model, reverse_data, tmp_path, checkpoint_interval=-1, guard={"enabled": True})
     with pytest.raises(ValueError, match="guard.skip_batches is for colocated runs"):
