@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from prefect import get_client, get_run_logger, task
+from prefect.exceptions import MissingContextError
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
@@ -108,14 +109,29 @@ def close_trackers(config: TrellisConfig) -> None:
 
 @contextmanager
 def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
-    """The engine's warnings (a worker replaced, a group skipped) go to the run's text log too."""
+    """The engine's warnings (a worker replaced, a group skipped) go to the run's text log too, and the run
+    log's lines (each step's summary, the warnings, a failure's cause) to the Prefect logger of the flow or
+    task run writing them, so that the UI shows what the console shows."""
     run_log = run_log_for(config)
     handler = RunLogHandler(run_log)
     logging.getLogger("engine").addHandler(handler)
+    run_log.listeners.append(_to_prefect_logger)
     try:
         yield run_log
     finally:
         logging.getLogger("engine").removeHandler(handler)
+        run_log.listeners.remove(_to_prefect_logger)
+
+
+_PREFECT_LEVELS = {"STEP": logging.INFO, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
+
+
+def _to_prefect_logger(level: str, text: str) -> None:
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # written outside any flow or task run
+        return
+    logger.log(_PREFECT_LEVELS.get(level, logging.INFO), text)
 
 
 @dataclass

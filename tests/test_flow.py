@@ -86,6 +86,16 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     posted = [log_steps[a.task_run_id] for a in artifacts if a.key == "three-steps-step-metrics"]
     assert sorted(run.name for run in posted) == [f"log_step[step={s}]" for s in (1, 2, 3)]
     assert all(a.flow_run_id == log_steps[a.task_run_id].flow_run_id for a in artifacts if a.key == "three-steps-step-metrics")
+    # The run log's step lines reach the UI too: each log_step task run logs its step's summary.
+    lines = [log.message for log in await_(read_logs(list(log_steps)))]
+    assert all(any(line.startswith(f"step {s}/3 ") and " reward " in line for line in lines) for s in (1, 2, 3)), lines
+
+
+async def read_logs(task_run_ids: list) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    async with get_client() as client:
+        return await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=task_run_ids)))
 
 
 def actor_calls_since(started_us: float, at_least: dict[str, int], timeout_s: float = 120.0) -> list[str]:

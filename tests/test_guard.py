@@ -180,6 +180,9 @@ def test_the_flow_rolls_back_as_a_branch_of_the_step_dag(tiny_model, reverse_dat
     assert {"check_stability[step=7]", "roll_back[step=7]"} <= set(names)
     assert names.count("fit[step=5]") == 2 and "sync_weights[step=7]" in names  # step 7 ran again after steps 5 and 6
     assert sum(name.startswith("roll_back") for name in names) == 1
+    from test_flow import read_logs
+    (roll_back,) = [run.id for run in asyncio.run(step_task_runs("rl_run[guarded_flow]")) if run.name == "roll_back[step=7]"]
+    assert any("Step 7: the stability guard tripped" in log.message for log in asyncio.run(read_logs([roll_back])))  # in the UI too
 
     async def artifacts():
         async with get_client() as client:

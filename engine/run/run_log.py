@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Mapping
+from typing import Callable, Mapping
 
 import fsspec
 
@@ -45,10 +45,16 @@ class RunLog:
         self._lock = threading.Lock()
         self._text: str | None = None  # object storage: what the file holds, to rewrite it whole
         self.total_steps: int | None = None  # for "step N/TOTAL", once the run plan is known
+        # Also told each line but TRACE ones, secrets masked, as (level, text): the flow's Prefect logger.
+        self.listeners: list[Callable[[str, str], None]] = []
 
     def write(self, level: str, message: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        lines = "".join(f"{stamp} {level} {redact(line)}\n" for line in message.splitlines() or [""])
+        masked = [redact(line) for line in message.splitlines() or [""]]
+        lines = "".join(f"{stamp} {level} {line}\n" for line in masked)
+        if level != TRACE:
+            for listener in list(self.listeners):
+                listener(level, "\n".join(masked))
         with self._lock:
             self._fs.makedirs(self._path.rsplit("/", 1)[0], exist_ok=True)
             if self._local:
