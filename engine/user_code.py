@@ -76,7 +76,7 @@ def origin(spec: str, base_dir: str | Path | None = None) -> Path | None:
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     if is_file_spec(target):
         return (base / target).resolve()
-    with _first_on_path(base):
+    with first_on_path(base):
         try:
             found = importlib.util.find_spec(target)
         except (ImportError, ValueError):
@@ -85,7 +85,7 @@ def origin(spec: str, base_dir: str | Path | None = None) -> Path | None:
 
 
 def _import_module(spec: str, target: str, base: Path) -> ModuleType:
-    with _first_on_path(base):
+    with first_on_path(base):
         try:
             return importlib.import_module(target)
         except ModuleNotFoundError as error:
@@ -121,7 +121,7 @@ def _load_file(spec: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
-        with _first_on_path(path.parent):
+        with first_on_path(path.parent):
             module_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
@@ -138,7 +138,7 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
-class _first_on_path:
+class first_on_path:
     """``directory`` first on ``sys.path`` for the duration (and kept there if it was already)."""
 
     def __init__(self, directory: Path) -> None:

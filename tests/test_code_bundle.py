@@ -78,3 +78,27 @@ def test_a_launch_folder_too_big_to_ship_says_what_to_leave_out(tmp_path, monkey
         shipped_code(config_for(root))
     monkeypatch.setattr(code_bundle.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert shipped_code(config_for(root, cluster={"code_dir": str(root), "code_excludes": ["*.jsonl"]})).files == 3
+
+
+def test_a_package_imported_from_outside_the_launch_folder_ships_as_a_py_module(tmp_path, monkeypatch):
+    """A reward package on PYTHONPATH (here: sys.path) and a lone module beside it: each ships as a zip
+    of its own for Ray's py_modules (the package under its name), the launch folder not at all when no
+    function lives there; the digest follows the outside code too."""
+    make_project(tmp_path / "project")
+    outside = tmp_path / "shared-code"
+    (outside / "team_rewards" / "__pycache__").mkdir(parents=True)
+    (outside / "team_rewards" / "__init__.py").write_text("")
+    (outside / "team_rewards" / "math.py").write_text("def score(sample):\n    return 1.0\n")
+    (outside / "team_rewards" / "__pycache__" / "math.cpython-311.pyc").write_bytes(b"\0")
+    (outside / "lone_reward.py").write_text("def score(sample):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(outside))
+    monkeypatch.setattr(code_bundle.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    config = config_for(tmp_path / "project", reward={"function": "team_rewards.math:score",
+                                                      "by_data_source": {"lone": "lone_reward:score"}})
+    bundle = shipped_code(config)
+    assert bundle.zip_path is None  # no function in the launch folder
+    assert bundle.module_sources == (str(outside / "team_rewards"), str(outside / "lone_reward.py"))
+    contents = [sorted(zipfile.ZipFile(module).namelist()) for module in bundle.modules]
+    assert contents == [["team_rewards/__init__.py", "team_rewards/math.py"], ["lone_reward.py"]]
+    (outside / "team_rewards" / "math.py").write_text("def score(sample):\n    return 2.0\n")
+    assert shipped_code(config).digest != bundle.digest

@@ -260,3 +260,21 @@ def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(proje
     assert sorted(rewards_by_step) == list(range(1, 45))
     assert all(r == 0.0 for step in range(41, 45) for r in rewards_by_step[step])
     assert any(r > 0.0 for step in range(31, 41) for r in rewards_by_step[step])
+
+
+def test_a_reward_package_on_pythonpath_outside_the_project_is_shipped_to_the_workers(project, live_cluster, tmp_path):
+    """The team's reward package lives in a folder on PYTHONPATH, neither in the launch folder nor
+    installed: the run ships it to the workers (Ray's py_modules), says so in its log, and every sample
+    is scored by it on the cluster."""
+    shared = tmp_path / "team-code"
+    (shared / "team_rewards").mkdir(parents=True)
+    (shared / "team_rewards" / "__init__.py").write_text("")
+    (shared / "team_rewards" / "constant.py").write_text("def score(sample: dict) -> float:\n    return 0.75\n")
+    env = {**live_cluster["env"], "PYTHONPATH": str(shared)}
+    done = run("train", "my.yaml", "--set", f"cluster.home={live_cluster['home']}", "--set", "experiment_name=team_reward",
+               "--set", "total_train_steps=2", "--set", "reward.function=team_rewards.constant:score", cwd=project, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (project / "runs" / "team_reward" / "logs" / "run.log").read_text()
+    assert f"{shared / 'team_rewards'}: imported from outside the launch folder, shipped to the workers (py_modules)" in log
+    rewards = lake_rewards(project, "team_reward")
+    assert sorted(rewards) == [1, 2] and {r for step in rewards.values() for r in step} == {0.75}

@@ -25,11 +25,14 @@ class ClusterEnvironmentError(RuntimeError):
 
 
 def worker_runtime_env(config: TrellisConfig, bundle: CodeBundle | None, role: Role) -> dict[str, Any] | None:
-    """``cluster.runtime_env``, the shipped code as ``working_dir``, and for the rollout worker its
-    own ``rollout.runtime_env`` on top (environment variables merged)."""
+    """``cluster.runtime_env``, the shipped code as ``working_dir`` (and the packages from outside the launch
+    folder as ``py_modules``), and for the rollout worker its own ``rollout.runtime_env`` on top
+    (environment variables merged)."""
     env: dict[str, Any] = dict(config.cluster.runtime_env or {})
-    if bundle is not None:
+    if bundle is not None and bundle.zip_path is not None:
         env["working_dir"] = upload_package(bundle.zip_path)
+    if bundle is not None and bundle.modules:
+        env["py_modules"] = [upload_package(module) for module in bundle.modules]
     if role == "rollout" and config.rollout.runtime_env:
         extra = dict(config.rollout.runtime_env)
         env_vars = {**env.get("env_vars", {}), **extra.pop("env_vars", {})}

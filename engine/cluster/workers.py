@@ -44,6 +44,7 @@ from trellis.engine.config import TrellisConfig
 from trellis.engine.errors import WorkerLostError
 from trellis.engine.run.attested_sync import attested_sync
 from trellis.engine.run.code_bundle import CodeBundle, shipped_code
+from trellis.engine.run.run_log import run_log_for
 from trellis.engine.run.identity import WorkerFingerprint
 from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
 from trellis.engine.run.resume import StartPlan
@@ -74,6 +75,8 @@ class RunWorkers:
     @functools.cached_property
     def launch(self) -> Launch:
         bundle = shipped_code(self.config)
+        for source in bundle.module_sources if bundle is not None else ():
+            run_log_for(self.config).info(f"{source}: imported from outside the launch folder, shipped to the workers (py_modules)")
         credentials = Credentials.from_environment(self.config.cluster.forward_env)
         return Launch(bundle, WorkerFingerprint.of(self.config, bundle), credentials)
 

@@ -4,6 +4,11 @@ outputs; the workers read those from their own paths), model-weight files, versi
 virtual-environment folders, caches, and whatever the directory's ``.gitignore`` and
 ``cluster.code_excludes`` name.
 
+A function whose module the driver imports from outside the launch folder and outside the Python
+installation (a folder on ``PYTHONPATH``, a source checkout installed in editable mode) ships too: its
+top-level package (or the module's own file) as a zip of its own, which Ray puts on the workers'
+``sys.path`` (``py_modules``), with the same excludes and size limit.
+
 What is shipped is what is hashed: the digest covers the exact file names and contents, so workers
 built from other code are recognised when a later run finds them alive.
 """
@@ -11,7 +16,10 @@ built from other code are recognised when a later run finds them alive.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import site
+import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -21,7 +29,7 @@ from typing import Iterable, Sequence
 import pathspec
 
 from trellis.engine.config import TrellisConfig
-from trellis.engine.user_code import origin
+from trellis.engine.user_code import first_on_path, is_file_spec, origin, split_spec
 
 ALWAYS_EXCLUDED = (
     ".git/", ".hg/", ".svn/", ".venv/", "venv/", "__pycache__/", "*.pyc", ".pytest_cache/", ".mypy_cache/",
@@ -39,10 +47,12 @@ class CodeBundleError(ValueError):
 @dataclass(frozen=True)
 class CodeBundle:
     root: str  # the directory it was made from
-    zip_path: str  # a local zip: the workers' working_dir
+    zip_path: str | None  # a local zip: the workers' working_dir (None: no function lives in the launch folder)
     digest: str  # sha256 over the shipped files' names and contents
     files: int
     size_bytes: int
+    modules: tuple[str, ...] = ()  # local zips of packages from outside the launch folder: the workers' py_modules
+    module_sources: tuple[str, ...] = ()  # where each came from
 
 
 def user_function_specs(config: TrellisConfig) -> tuple[str, ...]:
@@ -69,15 +79,50 @@ def needs_shipping(specs: Iterable[str], launch_dir: Path) -> bool:
 
 def shipped_code(config: TrellisConfig, out_dir: Path | None = None) -> CodeBundle | None:
     """The bundle this run's workers need, built (or reused) now; None when they need none."""
-    launch_dir = launch_directory(config)
-    if not needs_shipping(user_function_specs(config), launch_dir):
+    launch_dir, specs = launch_directory(config), user_function_specs(config)
+    outside = outside_packages(specs, launch_dir)
+    in_launch_dir = needs_shipping(specs, launch_dir)
+    if not in_launch_dir and not outside:
         return None
+    out_dir = out_dir or Path(tempfile.gettempdir()) / "trellis-code"
     excludes = [*ALWAYS_EXCLUDED, *_named_by(config, launch_dir), *config.cluster.code_excludes]
-    return build_bundle(launch_dir, excludes=excludes, out_dir=out_dir or Path(tempfile.gettempdir()) / "trellis-code")
+    bundle = build_bundle(launch_dir, excludes=excludes, out_dir=out_dir) if in_launch_dir else CodeBundle(str(launch_dir), None, "", 0, 0)
+    if not outside:
+        return bundle
+    modules = [build_bundle(path, excludes=[*ALWAYS_EXCLUDED, *config.cluster.code_excludes], out_dir=out_dir, top=path.name)
+               for path in outside]
+    digest = hashlib.sha256("".join([bundle.digest, *(module.digest for module in modules)]).encode()).hexdigest()
+    return CodeBundle(bundle.root, bundle.zip_path, digest, bundle.files + sum(m.files for m in modules),
+                      bundle.size_bytes + sum(m.size_bytes for m in modules), tuple(str(m.zip_path) for m in modules),
+                      tuple(str(path) for path in outside))
 
 
-def build_bundle(root: Path, *, excludes: Sequence[str], out_dir: Path) -> CodeBundle:
-    files = _selected_files(root, excludes)
+def outside_packages(specs: Iterable[str], launch_dir: Path) -> list[Path]:
+    """The top-level packages (folders) or modules (files) of ``specs`` that the driver imports from
+    outside ``launch_dir``, trellis and the Python installation: the workers could not import them."""
+    trellis_root = Path(__file__).resolve().parents[1]
+    installed = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix, *site.getsitepackages(), site.getusersitepackages()}]
+    found: list[Path] = []
+    for spec in specs:
+        target = split_spec(spec)[0]
+        if is_file_spec(target):
+            continue
+        path = origin(spec, launch_dir)
+        if path is None or any(path.is_relative_to(root) for root in (launch_dir, trellis_root, *installed)):
+            continue
+        with first_on_path(launch_dir):
+            top = importlib.util.find_spec(target.split(".")[0])
+        locations = list(top.submodule_search_locations or []) if top is not None else []
+        found.append(Path(locations[0]).resolve() if locations else path)
+    return list(dict.fromkeys(found))
+
+
+def build_bundle(root: Path, *, excludes: Sequence[str], out_dir: Path, top: str | None = None) -> CodeBundle:
+    """The zip of ``root`` (a folder, or one module's file); with ``top``, its files go under that name in
+    the zip, as a package on ``py_modules`` must."""
+    files = [(root.name, root)] if root.is_file() else _selected_files(root, excludes)
+    if top is not None and not root.is_file():
+        files = [(f"{top}/{name}", path) for name, path in files]
     size = sum(path.stat().st_size for _, path in files)
     if size > MAX_BUNDLE_BYTES:
         largest = sorted(files, key=lambda item: item[1].stat().st_size, reverse=True)[:5]
