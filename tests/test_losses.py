@@ -158,3 +158,32 @@ def test_mismatch_on_tokens_drawn_in_the_rollout_policys_exact_proportions_gives
     assert sums["abs_logprob_diff_max"] == pytest.approx(ln2, abs=1e-6)
     assert sums["rollout_nll"] / tokens == pytest.approx(1.5 * ln2, abs=1e-6)
     assert sums["train_nll"] / tokens == pytest.approx(1.75 * ln2, abs=1e-6)
+
+
+def _is_with(old: list[list[float]], **settings):
+    old_t = torch.tensor(old, dtype=torch.float64)
+    return rollout_is_weights(old_t, torch.zeros_like(old_t), torch.ones_like(old_t), RolloutISConfig(**settings))
+
+
+def test_geometric_is_is_the_geometric_mean_of_the_token_ratios():
+    """Ratios 3 and 1/3: the sequence ratio is 1 (product) and so is the geometric mean; 4 and 1: product
+    4 (truncated to 2), geometric mean 2."""
+    weights, _ = _is_with([[math.log(4.0), 0.0]], level="geometric", mode="truncate", upper=3.0)
+    assert weights.tolist()[0] == pytest.approx([2.0, 2.0], abs=1e-9)
+    weights, _ = _is_with([[math.log(4.0), 0.0]], level="sequence", mode="truncate", upper=3.0)
+    assert weights.tolist()[0] == pytest.approx([3.0, 3.0], abs=1e-9)  # the product, 4, capped at 3
+
+
+def test_both_mode_and_separate_mask_bounds():
+    """Ratios 6, 3, 1, 0.1; truncate at 2, mask outside [0.25, 5]: 6 and 0.1 dropped, 3 capped to 2."""
+    ratios = [[math.log(6.0), math.log(3.0), 0.0, math.log(0.1)]]
+    weights, stats = _is_with(ratios, level="token", mode="both", upper=2.0, mask_upper=5.0, mask_lower=0.25)
+    assert weights.tolist()[0] == pytest.approx([0.0, 2.0, 1.0, 0.0], abs=1e-9) and stats["rejected"].item() == 3
+    weights, _ = _is_with(ratios, level="token", mode="mask", upper=2.0, mask_upper=5.0, mask_lower=0.25)
+    assert weights.tolist()[0] == pytest.approx([0.0, 3.0, 1.0, 0.0], abs=1e-9)  # kept ratios are not capped in mask mode
+
+
+def test_a_veto_drops_the_whole_sequence_of_a_catastrophic_token():
+    """Two sequences: one token at ratio 1e-5 under the veto 1e-4 drops all of the first; the second stays."""
+    weights, stats = _is_with([[0.0, math.log(1e-5)], [math.log(1.5), 0.0]], level="token", mode="truncate", veto_threshold=1e-4)
+    assert weights.flatten().tolist() == pytest.approx([0.0, 0.0, 1.5, 1.0], abs=1e-9) and stats["rejected"].item() == 2

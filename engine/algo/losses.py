@@ -6,6 +6,8 @@ whose label is trained on. Every function here is pure and works on CPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trellis.engine.config import LossConfig, RolloutISConfig
@@ -89,27 +91,38 @@ def rollout_is_weights(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights pi_train / pi_rollout that correct for the rollout engine's mismatch.
 
-    truncate: w = min(w, upper). mask: w kept inside [lower, upper], 0 outside (the token, or the
-    whole sequence at sequence level, is dropped). Returns weights (no grad) and metric sums.
+    The ratio is per token, per sequence (the product of its tokens' ratios) or geometric (their
+    geometric mean, per sequence). truncate: w = min(w, upper). mask: w kept inside [mask_lower,
+    mask_upper], 0 outside (the token, or the whole sequence at sequence levels). both: masked, then
+    the kept ratios capped at upper. veto: a sequence with any token ratio below ``veto_threshold`` gets
+    0 everywhere. Returns weights (no grad) and metric sums (``rejected``: tokens capped or dropped).
     """
     mask = mask_NL.float()
-    log_ratio = (old_logprobs_NL - rollout_logprobs_NL).detach() * mask
+    token_log_ratio = (old_logprobs_NL - rollout_logprobs_NL).detach() * mask
+    log_ratio = token_log_ratio
     if config.level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        log_ratio = token_log_ratio.sum(-1, keepdim=True).expand_as(token_log_ratio)
+    elif config.level == "geometric":
+        mean = token_log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        log_ratio = mean.expand_as(token_log_ratio)
     weights = torch.exp(log_ratio.clamp(-20.0, 20.0))
     lower = config.lower if config.lower is not None else 1.0 / config.upper
-    if config.mode == "truncate":
-        rejected = weights > config.upper
-        weights = weights.clamp(max=config.upper)
-    else:
-        rejected = (weights > config.upper) | (weights < lower)
-        weights = torch.where(rejected, torch.zeros_like(weights), weights)
+    mask_upper = config.mask_upper if config.mask_upper is not None else config.upper
+    mask_lower = config.mask_lower if config.mask_lower is not None else lower
+    dropped = torch.zeros_like(weights, dtype=torch.bool)
+    if config.mode in ("mask", "both"):
+        dropped = (weights > mask_upper) | (weights < mask_lower)
+    if config.veto_threshold is not None:
+        vetoed = ((token_log_ratio < math.log(config.veto_threshold)) & mask_NL.bool()).any(-1, keepdim=True)
+        dropped = dropped | vetoed.expand_as(dropped)
+    capped = (weights > config.upper) & ~dropped if config.mode in ("truncate", "both") else torch.zeros_like(dropped)
+    weights = torch.where(dropped, torch.zeros_like(weights), weights.clamp(max=config.upper) if config.mode != "mask" else weights)
     weights = weights * mask
     stats = {
         "weight_sum": weights.sum(),
         "weight_max": (weights + (mask - 1.0) * 1e9).max(),
         "weight_min": (weights + (1.0 - mask) * 1e9).min(),
-        "rejected": (rejected.float() * mask).sum(),
+        "rejected": ((dropped | capped).float() * mask).sum(),
     }
     return weights, stats
 
