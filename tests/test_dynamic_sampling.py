@@ -146,3 +146,34 @@ def test_a_real_step_reports_the_counters_and_keeps_filtered_groups_in_the_lake(
     trained = [row for row in rows if row["status"] == "completed"]
     assert any(expected_penalty(row) < 0 for row in trained), "no trained response was penalised"
     assert metrics["response/rewards/mean"] == pytest.approx(sum(map(expected_reward, trained)) / len(trained))
+
+
+def test_a_users_group_filter_drops_groups_in_process_and_a_filter_that_raises_keeps_them(tiny_model, reverse_data, tmp_path, caplog):
+    """The user's rule (keep a group only if its prompt's word has an even number of letters) drops the
+    others as FILTERED with the rule named, without dynamic sampling (nothing replaces them), and the
+    ledger ends them as filtered. A rule that raises keeps every group and warns."""
+    from helpers import ledger_check
+
+    (tmp_path / "rules.py").write_text(
+        "def even_words(group):\n"
+        "    return len(group[0]['label']) % 2 == 0 and all('reward' in sample for sample in group)\n\n"
+        "def broken(group):\n"
+        "    raise KeyError('no such column')\n"
+    )
+    config = tiny_config(tiny_model, reverse_data, tmp_path / "even", total_train_steps=2, enable_evaluate=False, checkpoint_interval=-1,
+                         dynamic_sampling={"group_filter": f"{tmp_path}/rules.py:even_words"})
+    with LocalRun(config) as run:
+        run.run()
+    rows = lake_rows(config)
+    kept = {row["label"] for row in rows if row["status"] == "completed"}
+    dropped = [row for row in rows if row["status"] == "filtered"]
+    assert kept and dropped and all(len(label) % 2 == 0 for label in kept)
+    assert all(len(row["label"]) % 2 == 1 and row["error_msg"] == f"group_filter {tmp_path}/rules.py:even_words" for row in dropped)
+    assert "filtered" in ledger_check(config)
+
+    broken = tiny_config(tiny_model, reverse_data, tmp_path / "broken", total_train_steps=1, enable_evaluate=False, checkpoint_interval=-1,
+                         dynamic_sampling={"group_filter": f"{tmp_path}/rules.py:broken"})
+    with LocalRun(broken) as run:
+        run.run()
+    assert all(row["status"] == "completed" for row in lake_rows(broken))
+    assert "group_filter" in caplog.text and "KeyError" in caplog.text and "the group is kept" in caplog.text

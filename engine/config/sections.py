@@ -355,6 +355,12 @@ class DynamicSamplingConfig(Frozen):
     max_rounds: int = Field(
         8, ge=1, description="Generation rounds per step, the first included; a batch still short after them trains on what it has."
     )
+    group_filter: str | None = Field(
+        None, description="Your own filter, 'module:function' (shipped like reward code): called with a scored group's "
+        "samples (each a dict as a reward function sees it, plus its 'reward'), True keeps the group for training. A "
+        "dropped group is FILTERED with the function's name; with enable, more prompts replace it. A filter that raises "
+        "keeps the group and says so in a warning.",
+    )
 
 
 class ResourcesConfig(Frozen):

@@ -56,10 +56,12 @@ class CodeBundle:
 
 
 def user_function_specs(config: TrellisConfig) -> tuple[str, ...]:
-    """Every function the config names: reward functions, the tool loop's tools, the openai loop's agent."""
+    """Every function the config names: reward functions, the tool loop's tools, the openai loop's agent,
+    the group filter."""
     rewards = [spec for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
     agents = [spec for agent in config.agents for spec in (agent.tools, agent.entrypoint) if spec is not None]
-    return tuple(dict.fromkeys(rewards + agents))
+    hooks = [config.dynamic_sampling.group_filter] if config.dynamic_sampling.group_filter else []
+    return tuple(dict.fromkeys(rewards + agents + hooks))
 
 
 def launch_directory(config: TrellisConfig) -> Path:

@@ -24,7 +24,7 @@ from trellis.engine.data.prepare import PreparedBatch, prepare_train_data
 from trellis.engine.data.samples import RolloutSample
 from trellis.engine.rng import capture_rng, restore_rng
 from trellis.engine.rollout.backends.base import RolloutBackend
-from trellis.engine.rollout.production.dynamic_sampling import fill_batch
+from trellis.engine.rollout.production.dynamic_sampling import GroupFilter, fill_batch, filter_flat_groups
 from trellis.engine.rollout.production.produce import (
     ProduceResult,
     rollout_groups,
@@ -62,6 +62,7 @@ class Controller:
         self.sampler, self.train_report, self.eval_prompts = inputs.sampler, inputs.train_report, inputs.eval_prompts
         self.rewards, self.agent_loop, self.eval_loop = inputs.rewards, inputs.train_loop, inputs.eval_loop
         self.overlong = OverlongShaping.of(config)
+        self.group_filter = GroupFilter.of(config.dynamic_sampling)
         self.ledger = PromptLedger(config, inputs.samplers)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
@@ -112,9 +113,10 @@ class Controller:
             )
 
         if config.dynamic_sampling.enable:
-            produced = fill_batch(produce_round, config.train_batch_size, config.dynamic_sampling.max_rounds)
+            produced = fill_batch(produce_round, config.train_batch_size, config.dynamic_sampling.max_rounds, self.group_filter)
         else:
             produced = produce_round(0, config.train_batch_size)
+            filter_flat_groups(produced.groups, self.group_filter, flat=False)
         if not config.debug_rollout:  # debug_rollout trains nothing: its prompts are not accounted for
             produced.ledger = self.ledger.entries()  # every group drawn is in this batch: none stays open
         self.keep(step, produced)

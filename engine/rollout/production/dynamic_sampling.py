@@ -16,8 +16,10 @@ import math
 import time
 from typing import Callable
 
+from trellis.engine.config.sections import DynamicSamplingConfig
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.production.produce import ProduceResult
+from trellis.engine.user_code import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +34,44 @@ def has_reward_spread(group: Group) -> bool:
     return len({s.reward for s in group}) > 1
 
 
-def filter_flat_groups(groups: list[Group]) -> list[Group]:
-    """Marks every scored group whose rewards are all equal FILTERED; returns the others (failed ones
-    included: data preparation drops those as before)."""
+class GroupFilter:
+    """The user's ``dynamic_sampling.group_filter``: called with a scored group's samples as dicts (a reward
+    function's input, plus ``reward``); False drops the group."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec, self._keep = spec, load_function(spec)
+
+    @classmethod
+    def of(cls, config: DynamicSamplingConfig) -> GroupFilter | None:
+        return cls(config.group_filter) if config.group_filter else None
+
+    def drops(self, group: Group) -> bool:
+        try:
+            return not self._keep([{**sample.reward_input(), "reward": sample.reward} for sample in group])
+        except Exception as error:  # the user's bug must not lose the group: it is kept, and the run says so
+            logger.warning("dynamic_sampling.group_filter %s raised %s: %s; the group is kept.", self.spec, type(error).__name__, error)
+            return False
+
+
+def filter_flat_groups(groups: list[Group], user_filter: GroupFilter | None = None, *, flat: bool = True) -> list[Group]:
+    """Marks FILTERED every scored group whose rewards are all equal (with ``flat``) or that the user's
+    filter drops; returns the others (failed ones included: data preparation drops those as before)."""
     kept = []
     for group in groups:
-        if is_scored(group) and not has_reward_spread(group):
+        if flat and is_scored(group) and not has_reward_spread(group):
             for sample in group:
                 sample.filter_out(f"dynamic sampling: every reward of the group is {group[0].reward:g}")
+        elif user_filter is not None and is_scored(group) and user_filter.drops(group):
+            for sample in group:
+                sample.filter_out(f"group_filter {user_filter.spec}")
         else:
             kept.append(group)
     return kept
 
 
-def fill_batch(produce_round: Callable[[int, int], ProduceResult], target: int, max_rounds: int) -> ProduceResult:
+def fill_batch(
+    produce_round: Callable[[int, int], ProduceResult], target: int, max_rounds: int, user_filter: GroupFilter | None = None
+) -> ProduceResult:
     """Up to ``max_rounds`` calls of ``produce_round(round, prompts)``, until ``target`` groups with a
     reward spread are in; the result holds every group produced, and ``sampling/*`` counters."""
     launched_s, started = time.time(), time.perf_counter()
@@ -59,7 +85,7 @@ def fill_batch(produce_round: Callable[[int, int], ProduceResult], target: int, 
         seen += len(result.groups)
         produced_samples += result.produced_samples
         produced_tokens += result.produced_tokens
-        survivors = filter_flat_groups(result.groups)
+        survivors = filter_flat_groups(result.groups, user_filter)
         filtered += len(result.groups) - len(survivors)
         kept += [group for group in survivors if is_scored(group)]
         dropped += [group for group in result.groups if not is_scored(group)]

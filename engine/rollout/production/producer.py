@@ -29,7 +29,7 @@ from trellis.engine.data.sampler import PromptSampler
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.agents.base import AgentLoop
 from trellis.engine.rollout.backends.base import RolloutBackend
-from trellis.engine.rollout.production.dynamic_sampling import filter_flat_groups
+from trellis.engine.rollout.production.dynamic_sampling import GroupFilter, filter_flat_groups
 from trellis.engine.rollout.production.prompt_ledger import PromptLedger
 from trellis.engine.rollout.production.produce import (
     ProduceResult,
@@ -99,6 +99,7 @@ class Producer:
         self._resolved: list[dict] = []  # ledger rows of groups dropped since the previous batch was taken
         self._taken_batches: dict[int, TakenBatch] = {}  # the latest: a step that asks again gets the same groups
         self._overlong = overlong
+        self._group_filter = GroupFilter.of(config.dynamic_sampling)
         self._backend: RolloutBackend | None = None  # given with each continue_produce
         buffer = config.replay_buffer
         self.buffer = ReplayBuffer(buffer.kind, config.stale_after, keep_expired=buffer.tail_batch_trigger_size >= 0)
@@ -290,7 +291,7 @@ class Producer:
         dynamic sampling, only those whose rewards differ: the producer goes on until the buffer is full)."""
         unscored = [s for group in groups for s in group if s.status == Status.COMPLETED and s.reward is None]
         score(unscored, self._rewards, self._overlong)
-        trainable = filter_flat_groups(groups) if self._config.dynamic_sampling.enable else groups
+        trainable = filter_flat_groups(groups, self._group_filter, flat=self._config.dynamic_sampling.enable)
         self._record(groups, round_index, part)
         delivered = {id(group) for group in groups}
         with self._cond:
