@@ -5,11 +5,11 @@ from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.guard import GuardConfig
+from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
     DatasetConfig,
-    DynamicSamplingConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,

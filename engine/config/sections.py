@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trellis.engine.config.base import Frozen, Location, StorageOptions, checked_runtime_env
+from trellis.engine.config.rollout_is import RolloutISConfig
 
 
 class DatasetConfig(Frozen):
@@ -160,27 +161,6 @@ class AdvantageConfig(Frozen):
     eps: float = Field(1e-4, gt=0.0, description="Added to the group std (GRPO) to avoid dividing by zero.")
     pass_at_k: int = Field(4, gt=0, description="k of the pass@k estimator.")
     correct_threshold: float = Field(0.5, description="pass@k: a reward above this counts as correct.")
-
-
-class RolloutISConfig(Frozen):
-    """Importance-sampling correction for the train/rollout policy mismatch (XTuner's rollout IS)."""
-
-    level: Literal["none", "token", "sequence", "geometric"] = Field(
-        "none", description="The ratio pi_train / pi_rollout per token, per sequence (the product of its tokens' ratios), "
-        "or geometric (per sequence, the geometric mean of its tokens' ratios: the length does not compound it); none: no correction.",
-    )
-    mode: Literal["truncate", "mask", "both"] = Field(
-        "truncate", description="truncate: cap the ratio at upper; mask: drop what lies outside [mask_lower, mask_upper]; "
-        "both: drop outside the mask bounds, then cap what is kept at upper.",
-    )
-    upper: float = Field(2.0, gt=1.0, description="Upper bound of the importance ratio (truncate, both; and mask's default).")
-    lower: float | None = Field(None, gt=0.0, lt=1.0, description="Lower bound for masking; default 1/upper.")
-    mask_upper: float | None = Field(None, gt=1.0, description="Upper mask bound, when it differs from upper (e.g. truncate at 2, drop past 5).")
-    mask_lower: float | None = Field(None, gt=0.0, lt=1.0, description="Lower mask bound; default lower.")
-    veto_threshold: float | None = Field(
-        None, gt=0.0, lt=1.0, description="Drop a whole sequence when any of its tokens has a ratio below this (a catastrophic "
-        "outlier, e.g. 1e-4), at every level and mode; null: no veto.",
-    )
 
 
 class LossConfig(Frozen):
@@ -344,23 +324,6 @@ class TaskConfig(Frozen):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     max_new_tokens: int | None = Field(None, gt=0, description="This task's cap on response tokens, below rollout.max_new_tokens.")
-
-
-class DynamicSamplingConfig(Frozen):
-    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage under a group
-    baseline and teaches nothing, so it is dropped (FILTERED, kept in the lake) and more prompts are
-    sampled until the step has ``train_batch_size`` groups with a reward spread."""
-
-    enable: bool = Field(False, description="Drop groups whose rewards are all equal and sample more prompts.")
-    max_rounds: int = Field(
-        8, ge=1, description="Generation rounds per step, the first included; a batch still short after them trains on what it has."
-    )
-    group_filter: str | None = Field(
-        None, description="Your own filter, 'module:function' (shipped like reward code): called with a scored group's "
-        "samples (each a dict as a reward function sees it, plus its 'reward'), True keeps the group for training. A "
-        "dropped group is FILTERED with the function's name; with enable, more prompts replace it. A filter that raises "
-        "keeps the group and says so in a warning.",
-    )
 
 
 class ResourcesConfig(Frozen):

@@ -18,11 +18,11 @@ from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
+from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
     DatasetConfig,
-    DynamicSamplingConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,

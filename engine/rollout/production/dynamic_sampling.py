@@ -16,7 +16,7 @@ import math
 import time
 from typing import Callable
 
-from trellis.engine.config.sections import DynamicSamplingConfig
+from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.production.produce import ProduceResult
 from trellis.engine.user_code import load_function
