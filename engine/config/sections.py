@@ -31,7 +31,12 @@ class DatasetConfig(Frozen):
         4096 * 4096, gt=0, description="Rows with a larger image (width x height) are skipped and counted."
     )
     storage_options: StorageOptions = Field(default_factory=dict, repr=False, description="Passed to fsspec (e.g. S3 endpoint).")
-    limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets).")
+    limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets); after sample_ratio.")
+    sample_ratio: float | None = Field(
+        None, gt=0.0, le=1.0, description="Keep this share of the usable rows, drawn at random with sample_seed (evaluation "
+        "sets: the same rows at every evaluation and in every run with the same seed), in their order.",
+    )
+    sample_seed: int = Field(0, description="Seed of sample_ratio's draw.")
 
 
 class RolloutConfig(Frozen):

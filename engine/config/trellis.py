@@ -91,6 +91,14 @@ class TrellisConfig(Frozen):
         False, description="Needs eval_dataset. XTuner's defaults to true; off here since most datasets come without a held-out split."
     )
     enable_initial_evaluate: bool = Field(False, description="Evaluate the initial policy before the first step (step 0).")
+    eval_correct_threshold: float = Field(
+        0.5, description="An evaluation sample counts as correct (eval/accuracy, eval/pass@k) when its reward is above this."
+    )
+    eval_metric: str | None = Field(
+        None, description="Your own evaluation metric, 'module:function' (shipped like reward code): called with the "
+        "evaluation's groups (lists of sample dicts as a reward sees them, plus 'reward'), it returns {name: number}; "
+        "each is logged as eval/<name> beside accuracy and pass@k.",
+    )
     evaluate_step: int = Field(1, description="Steps between evaluations; a multiple of sync_weights_interval.")
     checkpoint_interval: int | None = Field(-1, description="Steps between checkpoints (and at the last step); -1 or null: none.")
     checkpoint_maxkeep: int | None = Field(-1, description="Complete checkpoints kept; -1 or null: all. The newest is never removed.")

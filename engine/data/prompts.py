@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,8 +79,11 @@ def load_prompts(
         record = _to_record(row, config, tokenizer, vision, report, index=report.rows_read - 1)
         if record is not None:
             records.append(record)
-            if config.limit is not None and len(records) >= config.limit:
+            if config.sample_ratio is None and config.limit is not None and len(records) >= config.limit:
                 break
+    if config.sample_ratio is not None:
+        drawn = random.Random(config.sample_seed).sample(range(len(records)), max(1, round(len(records) * config.sample_ratio)))
+        records = [records[index] for index in sorted(drawn)][: config.limit]
     if report.skipped:
         logger.warning("Dataset %s: %s", config.path, report.summary())
     if not records:

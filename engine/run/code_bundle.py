@@ -57,10 +57,10 @@ class CodeBundle:
 
 def user_function_specs(config: TrellisConfig) -> tuple[str, ...]:
     """Every function the config names: reward functions, the tool loop's tools, the openai loop's agent,
-    the group filter."""
+    the group filter and the evaluation metric."""
     rewards = [spec for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
     agents = [spec for agent in config.agents for spec in (agent.tools, agent.entrypoint) if spec is not None]
-    hooks = [config.dynamic_sampling.group_filter] if config.dynamic_sampling.group_filter else []
+    hooks = [spec for spec in (config.dynamic_sampling.group_filter, config.eval_metric) if spec]
     return tuple(dict.fromkeys(rewards + agents + hooks))
 
 

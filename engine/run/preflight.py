@@ -59,8 +59,8 @@ def user_code_checks(config: TrellisConfig) -> tuple[UserCodeCheck, ...]:
     checks = [("reward", spec, "reward") for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
     checks += [("agent.tools", agent.tools, "object") for agent in config.agents if agent.tools is not None]
     checks += [("agent.entrypoint", agent.entrypoint, "function") for agent in config.agents if agent.entrypoint is not None]
-    if config.dynamic_sampling.group_filter:
-        checks.append(("dynamic_sampling.group_filter", config.dynamic_sampling.group_filter, "function"))
+    checks += [(key, spec, "function") for key, spec in (("dynamic_sampling.group_filter", config.dynamic_sampling.group_filter),
+                                                         ("eval_metric", config.eval_metric)) if spec]
     return tuple(dict.fromkeys(checks))
 
 

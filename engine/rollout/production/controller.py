@@ -24,7 +24,8 @@ from trellis.engine.data.prepare import PreparedBatch, prepare_train_data
 from trellis.engine.data.samples import RolloutSample
 from trellis.engine.rng import capture_rng, restore_rng
 from trellis.engine.rollout.backends.base import RolloutBackend
-from trellis.engine.rollout.production.dynamic_sampling import GroupFilter, fill_batch, filter_flat_groups
+from trellis.engine.rollout.production.dynamic_sampling import fill_batch, filter_flat_groups
+from trellis.engine.rollout.production.user_hooks import EvalMetric, GroupFilter
 from trellis.engine.rollout.production.produce import (
     ProduceResult,
     rollout_groups,
@@ -62,7 +63,7 @@ class Controller:
         self.sampler, self.train_report, self.eval_prompts = inputs.sampler, inputs.train_report, inputs.eval_prompts
         self.rewards, self.agent_loop, self.eval_loop = inputs.rewards, inputs.train_loop, inputs.eval_loop
         self.overlong = OverlongShaping.of(config)
-        self.group_filter = GroupFilter.of(config.dynamic_sampling)
+        self.group_filter, self.eval_metric = GroupFilter.of(config.dynamic_sampling), EvalMetric.of(config.eval_metric)
         self.ledger = PromptLedger(config, inputs.samplers)
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
@@ -162,7 +163,10 @@ class Controller:
             id_prefix="eval-",
             agent_loop=self.eval_loop,
         )
-        return produced.groups, evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt)
+        metrics = evaluation_metrics(produced.groups, k=rollout.eval_samples_per_prompt, threshold=self.config.eval_correct_threshold)
+        if self.eval_metric is not None:
+            metrics.update(self.eval_metric(produced.groups))
+        return produced.groups, metrics
 
     def write_trajectories(
         self, groups: list[list[RolloutSample]], step: int, split: str, flow_run_id: str | None = None,

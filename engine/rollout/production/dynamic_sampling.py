@@ -16,10 +16,9 @@ import math
 import time
 from typing import Callable
 
-from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.production.produce import ProduceResult
-from trellis.engine.user_code import load_function
+from trellis.engine.rollout.production.user_hooks import GroupFilter
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +31,6 @@ def is_scored(group: Group) -> bool:
 
 def has_reward_spread(group: Group) -> bool:
     return len({s.reward for s in group}) > 1
-
-
-class GroupFilter:
-    """The user's ``dynamic_sampling.group_filter``: called with a scored group's samples as dicts (a reward
-    function's input, plus ``reward``); False drops the group."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec, self._keep = spec, load_function(spec)
-
-    @classmethod
-    def of(cls, config: DynamicSamplingConfig) -> GroupFilter | None:
-        return cls(config.group_filter) if config.group_filter else None
-
-    def drops(self, group: Group) -> bool:
-        try:
-            return not self._keep([{**sample.reward_input(), "reward": sample.reward} for sample in group])
-        except Exception as error:  # the user's bug must not lose the group: it is kept, and the run says so
-            logger.warning("dynamic_sampling.group_filter %s raised %s: %s; the group is kept.", self.spec, type(error).__name__, error)
-            return False
 
 
 def filter_flat_groups(groups: list[Group], user_filter: GroupFilter | None = None, *, flat: bool = True) -> list[Group]:

@@ -29,7 +29,8 @@ from trellis.engine.data.sampler import PromptSampler
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.rollout.agents.base import AgentLoop
 from trellis.engine.rollout.backends.base import RolloutBackend
-from trellis.engine.rollout.production.dynamic_sampling import GroupFilter, filter_flat_groups
+from trellis.engine.rollout.production.dynamic_sampling import filter_flat_groups
+from trellis.engine.rollout.production.user_hooks import GroupFilter
 from trellis.engine.rollout.production.prompt_ledger import PromptLedger
 from trellis.engine.rollout.production.produce import (
     ProduceResult,
