@@ -187,3 +187,14 @@ def test_a_veto_drops_the_whole_sequence_of_a_catastrophic_token():
     """Two sequences: one token at ratio 1e-5 under the veto 1e-4 drops all of the first; the second stays."""
     weights, stats = _is_with([[0.0, math.log(1e-5)], [math.log(1.5), 0.0]], level="token", mode="truncate", veto_threshold=1e-4)
     assert weights.flatten().tolist() == pytest.approx([0.0, 0.0, 1.5, 1.0], abs=1e-9) and stats["rejected"].item() == 2
+
+
+def test_dr_grpo_divides_each_sequence_sum_by_the_constant_length():
+    """Two sequences, token losses [1, 1, -] and [2, -, -] (- masked), budget 4: (2 + 2) / (2 x 4) = 0.5,
+    where token-mean gives 4 / 3 and seq-mean-token-mean (1 + 2) / 2."""
+    loss = torch.tensor([[1.0, 1.0, 5.0], [2.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    totals = dict(total_tokens=3.0, total_sequences=2.0)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", **totals, norm_length=4.0).item() == 0.5
+    assert aggregate(loss, mask, "token-mean", **totals).item() == pytest.approx(4 / 3)
+    assert aggregate(loss, mask, "seq-mean-token-mean", **totals).item() == 1.5

@@ -68,11 +68,14 @@ def kl_penalty(logprobs_NL: torch.Tensor, ref_logprobs_NL: torch.Tensor, kind: s
 
 
 def aggregate(
-    loss_NL: torch.Tensor, mask_NL: torch.Tensor, mode: str, *, total_tokens: float, total_sequences: float
+    loss_NL: torch.Tensor, mask_NL: torch.Tensor, mode: str, *, total_tokens: float, total_sequences: float,
+    norm_length: float = 1.0,
 ) -> torch.Tensor:
     """Reduce to a scalar whose gradients add up correctly over the micro-batches of a mini-batch.
 
     ``total_tokens`` / ``total_sequences`` count the whole mini-batch, not this micro-batch.
+    ``seq-mean-token-sum-norm`` (Dr.GRPO) divides each sequence's sum by the constant ``norm_length``
+    (the generation budget), so no sequence's tokens weigh more for being fewer.
     """
     mask = mask_NL.float()
     if mode == "token-mean":
@@ -80,6 +83,8 @@ def aggregate(
     per_sequence_sum = (loss_NL * mask).sum(-1)
     if mode == "seq-mean-token-sum":
         return per_sequence_sum.sum() / max(total_sequences, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return per_sequence_sum.sum() / (max(total_sequences, 1.0) * norm_length)
     if mode == "seq-mean-token-mean":
         per_sequence_mean = per_sequence_sum / mask.sum(-1).clamp(min=1.0)
         return per_sequence_mean.sum() / max(total_sequences, 1.0)

@@ -174,8 +174,12 @@ class LossConfig(Frozen):
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0, description="Lower clip range of the ratio.")
     clip_eps_high: float = Field(0.2, gt=0.0, description="Clip-higher (DAPO) when larger than clip_eps_low.")
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages.")
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How token losses become the batch loss: over all tokens, or per sequence first."
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses become the batch loss: over all tokens, or per sequence first; "
+        "seq-mean-token-sum-norm is Dr.GRPO's: each sequence's sum over norm_length.",
+    )
+    norm_length: int | None = Field(
+        None, gt=0, description="seq-mean-token-sum-norm's constant divisor; default rollout.max_new_tokens (Dr.GRPO's max length).",
     )
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the initial (reference) model; 0 loads none.")
     kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="Estimator of the KL term.")

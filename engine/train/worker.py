@@ -113,9 +113,7 @@ class TrainingWorker:
         total_optimizer_steps = total_train_steps * config.train_worker.optimizer_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_factor(
-                s, warmup=optim.warmup_steps, total=total_optimizer_steps, kind=optim.lr_scheduler, min_ratio=optim.min_lr_ratio
-            ),
+            lambda s: lr_factor(s, warmup=optim.warmup_steps, total=total_optimizer_steps, kind=optim.lr_scheduler, min_ratio=optim.min_lr_ratio),
         )
         self._pad_id = pad_token_id
         self.applied_step = 0
@@ -257,7 +255,8 @@ class TrainingWorker:
             for param in self.model.parameters():
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
-        reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences)
+        reduce = dict(mode=loss_config.aggregation, total_tokens=total_tokens, total_sequences=total_sequences,
+                      norm_length=float(loss_config.norm_length or self.config.rollout.max_new_tokens))
         for index, batch in enumerate(micro):
             record = tally if index < real else Tally()  # a filler's metrics are not this rank's
             with self.routing.session(batch, routes[index] if routes else None) as session:
