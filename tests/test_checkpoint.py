@@ -195,3 +195,17 @@ def test_the_start_plan_rules(tmp_path):
     with pytest.raises(RunExistsError):
         plan_start(config(), resume=False)
 
+
+
+def test_a_resume_can_start_the_learning_rate_schedule_again(tiny_model, reverse_data, tmp_path):
+    """Warm-up over 4 steps (lr x 1/4, 2/4, 3/4, 1 at steps 1-4): a resume at step 3 continues at 3/4, or
+    with load_checkpoint_cfg.load_scheduler false starts again at 1/4."""
+    def resumed_lr(name: str, load_scheduler: bool) -> list[float]:
+        config = tiny_config(tiny_model, reverse_data, tmp_path / name, total_train_steps=3, enable_evaluate=False,
+                             optim={"lr": 4e-4, "warmup_steps": 4}, load_checkpoint_cfg={"load_scheduler": load_scheduler})
+        run(config, steps=2)  # checkpoint at step 2, then stopped
+        run(config, resume=True)
+        return [logged_metrics(config)[step]["train/lr"] for step in (1, 2, 3)]
+
+    assert resumed_lr("continued", True) == pytest.approx([1e-4, 2e-4, 3e-4])
+    assert resumed_lr("restarted", False) == pytest.approx([1e-4, 2e-4, 1e-4])

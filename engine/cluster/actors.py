@@ -182,8 +182,8 @@ class TrainerActor(BuiltFrom):
     def applied_step(self) -> int:
         return self.worker.applied_step
 
-    def load_checkpoint(self, checkpoint: Store, load_optimizer: bool) -> int:
-        return self.worker.load_checkpoint(checkpoint, load_optimizer=load_optimizer)
+    def load_checkpoint(self, checkpoint: Store, load_optimizer: bool, load_scheduler: bool = True) -> int:
+        return self.worker.load_checkpoint(checkpoint, load_optimizer=load_optimizer, load_scheduler=load_scheduler)
 
     def offload(self) -> None:
         self.worker.offload()

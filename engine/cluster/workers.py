@@ -243,7 +243,7 @@ class RunWorkers:
         waits = [self.actor("controller").load_checkpoint.remote(start.checkpoint, load.load_dataset)]
         if "trainer" in self.roles and start.action != "reattach":  # reattach: the trainer is already there
             checkpoint = Store(start.checkpoint, self.config.storage_options)
-            waits += [t.load_checkpoint.remote(checkpoint, load.load_optimizer_states) for t in self.actors("trainer")]
+            waits += [t.load_checkpoint.remote(checkpoint, load.load_optimizer_states, load.load_scheduler) for t in self.actors("trainer")]
         self.wait(waits)
         if "trainer" in self.roles and "rollout" in self.roles:
             applied = self.wait(self.actor("trainer").applied_step.remote())

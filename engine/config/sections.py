@@ -383,5 +383,6 @@ class LoadCheckpointConfig(Frozen):
     checkpoint_path: Location | None = Field(None, description="A checkpoints/step-NNNNNN folder (any fsspec URI).")
     load_optimizer_states: bool = Field(True, description="False: fresh AdamW moments. The lr, betas and weight decay are always this run's own settings.")
     load_dataset: bool = Field(True, description="False: restart the prompt order instead of continuing it.")
+    load_scheduler: bool = Field(True, description="False: the learning-rate schedule starts again from its first step (its warm-up too).")
 
 

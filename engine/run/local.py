@@ -118,7 +118,8 @@ class LocalRun:
         load = self.config.load_checkpoint_cfg
         state = require_complete(Store(uri, self.config.storage_options))
         if self.worker is not None:
-            self.worker.load_checkpoint(Store(uri, self.config.storage_options), load_optimizer=load.load_optimizer_states)
+            self.worker.load_checkpoint(Store(uri, self.config.storage_options), load_optimizer=load.load_optimizer_states,
+                                        load_scheduler=load.load_scheduler)
             if self.backend is not None:
                 self.backend.load_weights(self.worker.export_weights(), policy_version=int(state["policy_version"]))
         self.controller.load_checkpoint(uri, load_dataset=load.load_dataset)

@@ -364,8 +364,8 @@ class TrainingWorker:
     def save_checkpoint(self, checkpoint: Store, *, save_optimizer: bool) -> None:
         worker_checkpoint.save_checkpoint(self, checkpoint, save_optimizer=save_optimizer)
 
-    def load_checkpoint(self, checkpoint: Store, *, load_optimizer: bool = True) -> int:
-        return worker_checkpoint.load_checkpoint(self, checkpoint, load_optimizer=load_optimizer)
+    def load_checkpoint(self, checkpoint: Store, *, load_optimizer: bool = True, load_scheduler: bool = True) -> int:
+        return worker_checkpoint.load_checkpoint(self, checkpoint, load_optimizer=load_optimizer, load_scheduler=load_scheduler)
 
     def export_hf(self, target: Store, tokenizer_source: str) -> None:
         worker_checkpoint.export_hf(self, target, tokenizer_source)

@@ -65,8 +65,9 @@ def save_checkpoint(worker: TrainingWorker, checkpoint: Store, *, save_optimizer
         torch.save(state, f"{folder}/trainer.pt")
 
 
-def load_checkpoint(worker: TrainingWorker, checkpoint: Store, *, load_optimizer: bool) -> int:
-    """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step."""
+def load_checkpoint(worker: TrainingWorker, checkpoint: Store, *, load_optimizer: bool, load_scheduler: bool = True) -> int:
+    """Restore what ``save_checkpoint`` wrote, at this run's world size; returns the checkpoint's step.
+    ``load_scheduler`` False leaves the schedule at its first step."""
     uri = checkpoint.uri.rstrip("/")
     state = load_object(checkpoint.join("trainer.pt"))
     if (problem := worker.routing.load_problem(uri, state)) is not None:
@@ -86,7 +87,8 @@ def load_checkpoint(worker: TrainingWorker, checkpoint: Store, *, load_optimizer
             fsdp.load_optimizer_state(worker.model, worker.optimizer, load_object(checkpoint.join("optimizer.pt")))
     if not load_optimizer:
         worker.optimizer.state.clear()
-    worker.scheduler.load_state_dict(state["scheduler"])
+    if load_scheduler:
+        worker.scheduler.load_state_dict(state["scheduler"])
     worker.lr_scale = float(state.get("lr_scale", 1.0))
     apply_optim_settings(worker)
     rank_state = checkpoint.join(f"trainer-rank{worker.rank}.pt")  # absent when the checkpoint had fewer ranks
