@@ -4,6 +4,7 @@ training and evaluation; the mix resumes exactly."""
 
 import json
 import math
+from collections import Counter
 
 import pytest
 
@@ -158,3 +159,29 @@ def test_the_asynchronous_trainer_mixes_tasks_too(lookup, reverse_prompts, tmp_p
         trained = {task: sum(row["task_name"] == task and row["train_step"] == step for row in groups.values()) for task in drawn}
         for task, count in trained.items():  # per-task figures only for a batch that mixes tasks
             assert metrics[step].get(f"response/{task}/groups") == (count if all(trained.values()) else None), (task, step)
+
+
+def test_the_exact_mix_splits_every_batch_by_weight_and_small_draws_add_up():
+    """Weights 3:1 (as XTuner splits a batch): a draw of 8 is 6 + 2, draws of one keep every prefix within a
+    group of 3:1,
+    and a resumed sampler continues the same order; the random mix draws by probability instead."""
+    from types import SimpleNamespace
+
+    from trellis.engine.data.sampler import PromptSampler
+    from trellis.engine.rollout.production.task_mix import MixedSampler, _Task
+
+    def sampler(mix: str) -> MixedSampler:
+        tasks = [_Task(SimpleNamespace(name=name, weight=weight), PromptSampler([f"{name}{i}" for i in range(100)], seed=0), None, [], None, None)
+                 for name, weight in (("a", 3.0), ("b", 1.0))]
+        return MixedSampler(tasks, seed=0, mix=mix)
+
+    exact = sampler("exact")
+    assert Counter(item[1][0] for item in exact.draw(8)) == {"a": 6, "b": 2}
+    singles = [exact.draw(1)[0][1][0] for _ in range(8)]
+    assert singles == ["a", "a", "b", "a", "a", "a", "b", "a"]  # each to the task furthest behind its share of all draws
+    resumed = sampler("exact")
+    resumed.load_state_dict(exact.state_dict())
+    assert [resumed.draw(1)[0][1][0] for _ in range(4)] == [exact.draw(1)[0][1][0] for _ in range(4)]
+    randomly = sampler("random")
+    drawn = Counter(item[1][0] for _ in range(50) for item in randomly.draw(8))
+    assert_drawn_by_weight(drawn["a"], 400)

@@ -45,6 +45,11 @@ class TrellisConfig(Frozen):
     tasks: list[TaskConfig] = Field(
         default_factory=list, description="A multi-task run: each task with its dataset, agent loop, reward and weight."
     )
+    task_mix: Literal["exact", "random"] = Field(
+        "exact", description="How a multi-task run splits its draws by weight: exact (as XTuner: every batch split by the "
+        "weights, the remainder to the tasks furthest behind their share so far) or random (each group's task drawn "
+        "with probability weight / total).",
+    )
     work_dir: Location = Field("work_dirs", validate_default=True, description="Any fsspec URI: trajectories, checkpoints, logs go here.")
     experiment_name: str = Field(
         "run",

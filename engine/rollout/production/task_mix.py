@@ -1,8 +1,10 @@
 """What the rollout side draws prompts from and makes samples with, for one task or several.
 
 A one-task run has one prompt sampler, one reward runner and one agent loop. A multi-task run
-(``tasks:``) gets the same three behind the same interfaces: a sampler that draws each group's task
-with probability weight / total (seeded per draw, so a retried or resumed step draws the same mix), a
+(``tasks:``) gets the same three behind the same interfaces: a sampler that splits each draw by the
+tasks' weights (``task_mix: exact``: every batch by weight, each remainder to the tasks furthest behind
+their share of all draws so far; ``random``: each group's task drawn with probability weight / total,
+seeded per draw, so a retried or resumed step draws the same mix), a
 reward runner that sends each sample to its task's, and an agent loop that runs each task's samples
 through its own loop and sampling settings, one task after the other. Every sample carries its task's
 name as ``task_name``, which the per-task metrics (``response/{task}/...``, ``eval/{task}/...``) read.
@@ -53,7 +55,7 @@ def rollout_inputs(config: TrellisConfig, tokenizer: Any) -> RolloutInputs:
         )
     tasks = [_build_task(task, config, tokenizer, vision) for task in config.tasks]
     return RolloutInputs(
-        sampler=MixedSampler(tasks, seed=config.seed),
+        sampler=MixedSampler(tasks, seed=config.seed, mix=config.task_mix),
         train_report=TaskReports({task.name: task.report for task in tasks}),
         eval_prompts=[prompt for task in tasks for prompt in task.eval_prompts],
         rewards=TaskRewards(tasks),
@@ -106,27 +108,45 @@ class TaskReports:
 
 
 class MixedSampler:
-    def __init__(self, tasks: list[_Task], *, seed: int) -> None:
-        self._tasks, self._seed, self._draws = tasks, seed, 0
+    def __init__(self, tasks: list[_Task], *, seed: int, mix: str = "exact") -> None:
+        self._tasks, self._seed, self._draws, self._mix = tasks, seed, 0, mix
         self._weights = torch.tensor([task.config.weight for task in tasks], dtype=torch.float64)
+        self._assigned = [0] * len(tasks)  # groups given to each task so far (exact mix)
 
     def __len__(self) -> int:
         return sum(len(task.sampler) for task in self._tasks)
 
     def draw(self, count: int) -> list[tuple[int, PromptRecord]]:
-        generator = torch.Generator().manual_seed(self._seed * 1_000_003 + self._draws)
-        picks = Counter(torch.multinomial(self._weights, count, replacement=True, generator=generator).tolist())
+        picks = self._exact(count) if self._mix == "exact" else self._random(count)
         self._draws += 1
         return [item for index, task in enumerate(self._tasks) for item in task.sampler.draw(picks[index])]
 
+    def _random(self, count: int) -> Counter:
+        generator = torch.Generator().manual_seed(self._seed * 1_000_003 + self._draws)
+        return Counter(torch.multinomial(self._weights, count, replacement=True, generator=generator).tolist())
+
+    def _exact(self, count: int) -> Counter:
+        """Each group to the task furthest behind its share of every group drawn so far (the first on a tie):
+        a batch splits by weight to within one group, and small draws add up to the weights."""
+        shares = (self._weights / self._weights.sum()).tolist()
+        picks: Counter = Counter()
+        for _ in range(count):
+            total = sum(self._assigned) + 1
+            index = max(range(len(shares)), key=lambda i: (shares[i] * total - self._assigned[i], -i))
+            self._assigned[index] += 1
+            picks[index] += 1
+        return picks
+
     def state_dict(self) -> dict[str, Any]:
-        return {"draws": self._draws, "tasks": {task.name: task.sampler.state_dict() for task in self._tasks}}
+        return {"draws": self._draws, "assigned": list(self._assigned),
+                "tasks": {task.name: task.sampler.state_dict() for task in self._tasks}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [task.name for task in self._tasks if task.name not in state.get("tasks", {})]
         if missing:
             raise ValueError(f"The checkpoint's sampler state has no task {missing}: was it saved by a run with other tasks?")
         self._draws = state["draws"]
+        self._assigned = list(state.get("assigned", [0] * len(self._tasks)))
         for task in self._tasks:
             task.sampler.load_state_dict(state["tasks"][task.name])
 
