@@ -64,6 +64,7 @@ def set_aside(run: Store, rollback: int, steps: list[int], *, skip_batches: bool
     fs, root = run.fs()
     fs.invalidate_cache()
     _, archive_path = archive.fs()
+    fs.makedirs(archive_path, exist_ok=True)  # trip.json goes here even when the steps left no partition (debug_train)
     for step in steps:
         name = f"step={step:06d}"
         for folder in ("trajectories/split=train", "trajectories/split=eval", "ledger/groups", "ledger/open"):
