@@ -16,7 +16,8 @@ class AttestConfig(Frozen):
 
     enabled: bool | None = Field(
         None, description="Attest every weight sync: a checksum pass over the weights and one short forward per side. Unset "
-        "(default): on where the rollout runs on an accelerator, off on CPU (where it cost the tiny task's flow step 14%).",
+        "(default): on where the rollout runs on an accelerator (on one H200 with vLLM the step took 0.96x as long with it as "
+        "without), off on CPU (where it cost the tiny task's flow step 14%).",
     )
     canary_text: str = Field(
         "The canary sings at dawn: seven quiet bells, three open doors, and a letter that arrives one day late.",
