@@ -32,6 +32,9 @@ FIGURES = {  # printed for every mode, median over the rounds with the spread be
     "producer_paused_s_median": ".3f",
     "gpu_idle_fraction_mean": ".2f",
     "mismatch_k3_median": ".2e",
+    "goodput_percent": ".1f",
+    "goodput_idle_share": ".2f",
+    "goodput_discarded_share": ".2f",
 }
 
 

@@ -73,6 +73,7 @@ from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: 
 
 from trellis.engine.cluster.head import stop_head  # noqa: E402
 from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.storage.lake_query import goodput_device_seconds, run_goodput  # noqa: E402
 from trellis.engine.tiny.model import build_tiny_checkpoint, build_tokenizer  # noqa: E402
 from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
@@ -272,6 +273,22 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "mismatch_k3_median": statistics.median(r["mismatch/k3_kl"] for r in steady) if "mismatch/k3_kl" in steady[0] else None,
         "async": {k: last[k] for k in last if k.startswith("async/")},
         "staleness": staleness_histogram(config.run_uri) if args.mode == "disaggregated" else None,
+        **goodput_figures(records, args.warmup),
+    }
+
+
+def goodput_figures(records: dict[int, dict], warmup: int) -> dict:
+    """Where the measured steps' device-seconds went (engine.run.goodput's split), and the run's goodput %."""
+    measured = goodput_device_seconds({s: r for s, r in records.items() if s > warmup})
+    whole = sum(measured.values()) or float("nan")
+    discarded = sum(v for k, v in measured.items() if k.startswith("discarded/"))
+    return {
+        "goodput_percent": 100.0 * measured.get("trained_tokens", 0.0) / whole,
+        "goodput_percent_whole_run": run_goodput(records),
+        "goodput_idle_share": measured.get("idle", 0.0) / whole,
+        "goodput_discarded_share": discarded / whole,
+        "goodput_device_s": measured,
+        "goodput_share": {k: v / whole for k, v in sorted(measured.items())},
     }
 
 

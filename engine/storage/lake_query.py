@@ -96,12 +96,21 @@ def run_summary(ref: RunRef) -> RunSummary:
 def run_goodput(steps: dict[int, dict[str, Any]]) -> float | None:
     """A run's goodput %: its steps' device-seconds that made trained tokens over all of them (the
     ``goodput/device_s/*`` of ``engine.run.goodput``); None when no step logged any."""
-    trained = whole = 0.0
+    totals = goodput_device_seconds(steps)
+    whole = sum(totals.values())
+    return 100.0 * totals.get("trained_tokens", 0.0) / whole if whole > 0 else None
+
+
+def goodput_device_seconds(steps: dict[int, dict[str, Any]]) -> dict[str, float]:
+    """The device-seconds of ``steps`` summed by where they went (``trained_tokens``, ``idle``,
+    ``discarded/expired``...: the names under ``goodput/device_s/``)."""
+    totals: dict[str, float] = {}
     for record in steps.values():
-        parts = {key: value for key, value in record.items() if key.startswith("goodput/device_s/")}
-        trained += parts.get("goodput/device_s/trained_tokens", 0.0)
-        whole += sum(parts.values())
-    return 100.0 * trained / whole if whole > 0 else None
+        for key, value in record.items():
+            if key.startswith("goodput/device_s/"):
+                name = key.removeprefix("goodput/device_s/")
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
 
 
 def _metrics_by_step(fs: fsspec.AbstractFileSystem, path: str) -> dict[int, dict[str, Any]]:
