@@ -312,8 +312,12 @@ def _say_where(cfg) -> None:
         typer.echo(f"checkpoints:  {cfg.checkpoint_uri}  (resume with --resume or auto_resume: true)")
     if cfg.hf_interval not in (None, -1):
         typer.echo(f"HF exports:   {cfg.hf_uri}")
-    if cfg.exp_tracker == "tensorboard":
+    if "tensorboard" in cfg.exp_tracker:
         typer.echo(f"tensorboard:  tensorboard --logdir {cfg.run_uri}/logs/tensorboard")
+    if "wandb" in cfg.exp_tracker:
+        typer.echo(f"W&B:          project {cfg.trackers.wandb.project} ({cfg.trackers.wandb.mode}; run id in {cfg.run_uri}/logs/trackers.json)")
+    if "mlflow" in cfg.exp_tracker:
+        typer.echo(f"MLflow:       experiment {cfg.trackers.mlflow.experiment} at {cfg.trackers.mlflow.tracking_uri or '$MLFLOW_TRACKING_URI'}")
 
 
 def _quiet_libraries() -> None:

@@ -1,4 +1,5 @@
-"""Where a run's metrics go: ``metrics.jsonl`` (always) and TensorBoard events, through fsspec."""
+"""Where a run's metrics go: ``metrics.jsonl`` (always), TensorBoard events through fsspec, and the hosted
+trackers ``exp_tracker`` names (``engine.storage.hosted_trackers``)."""
 
 from __future__ import annotations
 
@@ -91,16 +92,42 @@ class TensorboardTracker:
 
 
 class Trackers:
-    """Every tracker of a run, built the same way by both runners: ``metrics.jsonl`` always, and
-    TensorBoard events when ``exp_tracker`` is ``tensorboard``. Built once per run start: a
-    resumed run (``first_step`` > 1) drops what it is about to write again."""
+    """Every tracker of a run, built the same way by both runners: ``metrics.jsonl`` always, and each
+    tracker ``exp_tracker`` names. Built once per run start: a resumed run (``first_step`` > 1) drops
+    what it is about to write again (TensorBoard, metrics.jsonl) or goes on in the same run (W&B, MLflow)."""
 
     def __init__(self, config: TrellisConfig, first_step: int) -> None:
         logs = Store(config.run_uri, config.storage_options).join("logs")
         self._trackers: list[Tracker] = [JsonlTracker(logs.join("metrics.jsonl"))]
-        if config.exp_tracker == "tensorboard":
+        try:
+            self._open_named(config, logs, first_step)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_named(self, config: TrellisConfig, logs: Store, first_step: int) -> None:
+        names = config.exp_tracker
+        if "tensorboard" in names:
             purge = first_step if first_step > 1 else None
             self._trackers.append(TensorboardTracker(logs.join("tensorboard"), purge))
+        if "wandb" not in names and "mlflow" not in names:
+            return
+        from trellis.engine.secrets import redact_settings
+        from trellis.engine.storage.hosted_trackers import MlflowTracker, TrackerIds, WandbTracker
+
+        ids, settings = TrackerIds(logs, first_step), redact_settings(config)
+        if "wandb" in names:
+            fs, path = logs.fs()
+            local_logs = path if isinstance(fs, LocalFileSystem) else os.path.abspath("wandb")
+            self._trackers.append(WandbTracker(
+                config.trackers.wandb, ids, name=config.experiment_name,
+                directory=config.trackers.wandb.dir or local_logs, config=settings,
+            ))
+        if "mlflow" in names:
+            self._trackers.append(MlflowTracker(
+                config.trackers.mlflow, ids, name=config.experiment_name, run_uri=config.run_uri,
+                first_step=first_step, config=settings,
+            ))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for tracker in self._trackers:
