@@ -16,6 +16,10 @@ class SettingError(ValueError):
     """A setting the user must change for the run to go on (``attention_kernel: fa4`` on a CPU, ...)."""
 
 
+class DatasetError(SettingError):
+    """A dataset cannot be read at all (missing path, unknown format, no split, no usable rows)."""
+
+
 class WorkerError(RuntimeError):
     """An error raised in a worker: ``str()`` is one line, ``trainer rank 0 (exp-trainer) failed in fit: ...``."""
 

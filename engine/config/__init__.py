@@ -6,10 +6,10 @@ from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
+from trellis.engine.config.dataset import DatasetConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
-    DatasetConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,

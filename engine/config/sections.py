@@ -7,36 +7,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trellis.engine.config.base import Frozen, Location, StorageOptions, checked_runtime_env
+from trellis.engine.config.base import Frozen, Location, checked_runtime_env
+from trellis.engine.config.dataset import DatasetConfig
 from trellis.engine.config.rollout_is import RolloutISConfig
-
-
-class DatasetConfig(Frozen):
-    """A prompt dataset: Parquet or JSONL, local or any fsspec URI."""
-
-    path: Location = Field(description="File or folder (Parquet / JSONL), local path or fsspec URI.")
-    format: Literal["auto", "parquet", "jsonl"] = Field("auto", description="auto: from the file extension.")
-    prompt_key: str = Field(
-        "prompt",
-        description="Column of the prompt: a string, or a list of {role, content} messages; a content may be a list of "
-        '{"type": "text", "text": ...} and {"type": "image", "image": bytes, path or URI} parts (a vision-language policy).',
-    )
-    label_key: str = Field("label", description="Column of the label the reward function compares with (optional).")
-    data_source_key: str = Field("data_source", description="Column that groups evaluation metrics and picks reward.by_data_source (optional).")
-    task_name_key: str = Field("task_name", description="Column of the task name (optional).")
-    max_prompt_length: int = Field(
-        1024, gt=0, description="Prompts longer than this many tokens (after the chat template) are skipped and counted."
-    )
-    max_image_pixels: int = Field(
-        4096 * 4096, gt=0, description="Rows with a larger image (width x height) are skipped and counted."
-    )
-    storage_options: StorageOptions = Field(default_factory=dict, repr=False, description="Passed to fsspec (e.g. S3 endpoint).")
-    limit: int | None = Field(None, gt=0, description="Read only the first N usable rows (evaluation sets); after sample_ratio.")
-    sample_ratio: float | None = Field(
-        None, gt=0.0, le=1.0, description="Keep this share of the usable rows, drawn at random with sample_seed (evaluation "
-        "sets: the same rows at every evaluation and in every run with the same seed), in their order.",
-    )
-    sample_seed: int = Field(0, description="Seed of sample_ratio's draw.")
 
 
 class RolloutConfig(Frozen):
@@ -91,7 +64,7 @@ class RewardConfig(Frozen):
     function: str | None = Field(
         None,
         description="Required (null: not set): `module:function` taking the sample dict and returning a float or a dict "
-        "with 'score'. There is no default task; built in: trellis.engine.rollout.rewards:exact_match, :math_answer.",
+        "with 'score'. There is no default task; built in: trellis.engine.rollout.rewards:exact_match, :math_answer, :math_verify (math-verify).",
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict, description="Per-data_source overrides of `function`."

@@ -20,10 +20,10 @@ from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
 from trellis.engine.config.trackers import TrackerName, TrackersConfig, tracker_names
 from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
+from trellis.engine.config.dataset import DatasetConfig
 from trellis.engine.config.sections import (
     AdvantageConfig,
     AgentConfig,
-    DatasetConfig,
     LoadCheckpointConfig,
     LossConfig,
     OptimConfig,

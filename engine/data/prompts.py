@@ -20,7 +20,8 @@ import fsspec
 import pyarrow.parquet as pq
 
 from trellis.engine.config import DatasetConfig
-from trellis.engine.errors import SettingError
+from trellis.engine.data.hf_datasets import hf_rows
+from trellis.engine.errors import DatasetError
 from trellis.engine.vision.images import ImageError, PromptImage, image_sources, load_image
 from trellis.engine.vision.processor import VisionProcessor
 
@@ -65,8 +66,7 @@ class SkipReport:
         return f"{self.rows_read} rows read, {self.rows_used} usable, skipped: {parts}"
 
 
-class DatasetError(SettingError):
-    """The dataset cannot be read at all (missing path, unknown format, no usable rows)."""
+__all__ = ["DatasetError", "PromptRecord", "SkipReport", "load_prompts"]
 
 
 def load_prompts(
@@ -85,13 +85,27 @@ def load_prompts(
         drawn = random.Random(config.sample_seed).sample(range(len(records)), max(1, round(len(records) * config.sample_ratio)))
         records = [records[index] for index in sorted(drawn)][: config.limit]
     if report.skipped:
-        logger.warning("Dataset %s: %s", config.path, report.summary())
+        logger.warning("Dataset %s: %s", config.source, report.summary())
     if not records:
-        raise DatasetError(f"Dataset {config.path} has no usable rows: {report.summary()}")
+        raise DatasetError(f"Dataset {config.source} has no usable rows: {report.summary()}")
     return records, report
 
 
 def _read_rows(config: DatasetConfig, report: SkipReport):
+    """The dataset's rows with ``config.columns`` renamed; a renamed column that is missing from the first
+    row stops the read (a mapping that names no real column would otherwise skip every row as "no prompt")."""
+    rows = hf_rows(config) if config.hf is not None else _file_rows(config, report)
+    for row in rows:
+        if config.hf is not None:
+            report.rows_read += 1
+        if config.columns:
+            if report.rows_read == 1 and (missing := [c for c in config.columns if c not in row]):
+                raise DatasetError(f"{config.source}: columns names {missing}, not among the dataset's columns {sorted(row)}")
+            row = {config.columns.get(key, key): value for key, value in row.items()}
+        yield row
+
+
+def _file_rows(config: DatasetConfig, report: SkipReport):
     fs, root = fsspec.core.url_to_fs(config.path, **config.storage_options)
     if not fs.exists(root):
         raise DatasetError(f"Dataset path does not exist: {config.path}")
@@ -147,7 +161,7 @@ def _to_record(
     if sources := image_sources(messages):
         if vision is None:
             raise DatasetError(
-                f"Row {index} of {config.path} holds images, and the policy is a text-only model: "
+                f"Row {index} of {config.source} holds images, and the policy is a text-only model: "
                 "train a vision-language model (Qwen2-VL family) on it, or drop the image parts."
             )
         try:

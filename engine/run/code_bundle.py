@@ -173,7 +173,7 @@ def _write_zip(files: list[tuple[str, Path]], target: Path) -> None:
 
 def _named_by(config: TrellisConfig, root: Path) -> list[str]:
     """Gitignore patterns for the local paths the config reads or writes that lie inside ``root``."""
-    datasets = [dataset.path for dataset in (*config.train_datasets, *config.eval_datasets)]
+    datasets = [dataset.path or dataset.hf for dataset in (*config.train_datasets, *config.eval_datasets)]
     paths = [config.load_from, config.tokenizer_path, *datasets, config.work_dir, config.debug_rollout_dir]
     patterns = []
     for location in paths:

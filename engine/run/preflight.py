@@ -36,6 +36,8 @@ def check_inputs(config: TrellisConfig) -> None:
         if problem:
             problems.append(f"{name}: {problem}")
     for name, dataset in _datasets(config):
+        if dataset.path is None:
+            continue  # an hf dataset: a name or a local folder datasets reads, with its own errors
         problem = _missing(Store(dataset.path, dataset.storage_options), None)
         if problem:
             problems.append(f"{name}.path: {problem}")

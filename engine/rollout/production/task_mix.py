@@ -83,7 +83,7 @@ def _build_task(task: TaskConfig, config: TrellisConfig, tokenizer: Any, vision:
     prompts, report = load_prompts(task.train_dataset, tokenizer, vision)
     eval_prompts = load_prompts(task.eval_dataset, tokenizer, vision)[0] if task.eval_dataset is not None else []
     if not prompts:
-        raise ValueError(f"tasks[{task.name}]: no usable prompt in {task.train_dataset.path} ({report.summary()}).")
+        raise ValueError(f"tasks[{task.name}]: no usable prompt in {task.train_dataset.source} ({report.summary()}).")
     return _Task(
         config=task,
         sampler=PromptSampler([_of_task(p, task) for p in prompts], seed=config.seed),
