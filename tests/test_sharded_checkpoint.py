@@ -121,6 +121,33 @@ def test_a_checkpoint_without_optimizer_state_loads_only_without_an_optimizer(mo
     load_sharded(Store(str(tmp_path)), model, None)
 
 
+def test_skip_checkpoint_validation_skips_dcps_plan_check_only_while_saving(model_dir, tmp_path, monkeypatch):
+    """Tried: a plan check that always fails. It fails a save; skipped, the save goes through and loads
+    back, and the check is DCP's own again afterwards."""
+    from torch.distributed.checkpoint import default_planner
+
+    def refuse(global_plan, metadata):
+        return ["injected plan problem"]
+
+    monkeypatch.setattr(default_planner, "_validate_global_plan", refuse)
+    model = _build(model_dir, sharded=False)[0].model
+    with pytest.raises(CheckpointError, match="(?s)checked/model could not be saved: .*injected plan problem"):
+        save_sharded(Store(str(tmp_path / "checked")), model, None)
+    save_sharded(Store(str(tmp_path / "unchecked")), model, None, validate=False)
+    assert default_planner._validate_global_plan is refuse
+    load_sharded(Store(str(tmp_path / "unchecked")), _build(model_dir, sharded=False)[0].model, None)
+
+
+def test_a_damaged_shard_is_refused_as_a_checkpoint_error(model_dir, tmp_path):
+    """Tried: a shard file cut to half its length. DCP raises a BaseException; the run gets a CheckpointError."""
+    model = _build(model_dir, sharded=False)[0].model
+    save_sharded(Store(str(tmp_path)), model, None)
+    shard = tmp_path / "model" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(tmp_path))}/model could not be loaded"):
+        load_sharded(Store(str(tmp_path)), _build(model_dir, sharded=False)[0].model, None)
+
+
 def _extra(model):
     model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
     return r"missing from the checkpoint \['extra'\], not in the model \[\]"

@@ -13,10 +13,13 @@ Loading reshards: a checkpoint saved by N ranks loads at any world size, into a 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.api import CheckpointException
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 
@@ -39,14 +42,29 @@ METADATA = ".metadata"  # DCP's own name; it renames it into place once every ra
 
 
 def save_sharded(
-    folder: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False
+    folder: Store, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False,
+    validate: bool = True,
 ) -> None:
     """Write ``model`` (and ``optimizer``) under ``folder``, a new or empty folder such as
     ``SaveStore.begin`` returns. Every rank of the default process group calls this. ``trainable_only``:
-    leave frozen weights out (a LoRA policy's base, which ``load_from`` holds)."""
-    if optimizer is not None:
-        _save(get_optimizer_state_dict(model, optimizer), folder.join(OPTIM))
-    _save(_weights(model, trainable_only), folder.join(MODEL))
+    leave frozen weights out (a LoRA policy's base, which ``load_from`` holds). ``validate``: DCP checks
+    that the shards of every tensor tile it exactly (``skip_checkpoint_validation`` turns it off)."""
+    with nullcontext() if validate else _no_plan_validation():
+        if optimizer is not None:
+            _save(get_optimizer_state_dict(model, optimizer), folder.join(OPTIM))
+        _save(_weights(model, trainable_only), folder.join(MODEL))
+
+
+@contextmanager
+def _no_plan_validation() -> Iterator[None]:
+    """DCP's default planner without its global-plan check: the check is a module function of
+    ``default_planner`` in torch 2.11-2.13, with no setting of its own."""
+    checked = default_planner._validate_global_plan
+    default_planner._validate_global_plan = lambda global_plan, metadata: []
+    try:
+        yield
+    finally:
+        default_planner._validate_global_plan = checked
 
 
 def load_sharded(
@@ -101,13 +119,16 @@ def _save(state: dict[str, Any], target: Store) -> None:
     # fsync is only possible on local files; on object stores DCP falls back to os.sync(), which
     # flushes every disk of the machine once per file.
     writer = FsspecWriter(target.uri, sync_files=isinstance(fs, LocalFileSystem), **target.options)
-    dcp.save(state, storage_writer=writer)
+    try:
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as error:  # a BaseException: every rank's failure in one, re-raised as an Exception
+        raise CheckpointError(f"{target.uri} could not be saved: {error}") from error
 
 
 def _load(state: dict[str, Any], reader: FsspecReader, uri: str) -> None:
     try:
         dcp.load(state, storage_reader=reader)
-    except Exception as error:  # DCP reports every rank's failure in one CheckpointException
+    except (Exception, CheckpointException) as error:  # DCP reports every rank's failure in one CheckpointException, a BaseException
         raise CheckpointError(f"{uri} could not be loaded: {error}") from error
 
 

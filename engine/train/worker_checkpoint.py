@@ -48,7 +48,8 @@ def save_checkpoint(worker: TrainingWorker, checkpoint: Store, *, save_optimizer
              "moe": worker.routing.checkpoint_entry(), "lora": lora.model_dump(mode="json") if lora else None}
     optimizer = worker.optimizer if save_optimizer else None
     if worker.world > 1:
-        save_sharded(checkpoint, worker.model, optimizer, trainable_only=lora is not None)
+        save_sharded(checkpoint, worker.model, optimizer, trainable_only=lora is not None,
+                     validate=not worker.config.skip_checkpoint_validation)
         name = "trainer.pt" if worker.rank == 0 else f"trainer-rank{worker.rank}.pt"
         save_object(state, checkpoint.join(name))
         return
