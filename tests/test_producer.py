@@ -278,3 +278,56 @@ def test_a_group_continued_across_syncs_that_arrives_too_stale_is_not_trained(tm
     finally:
         producer.shutdown()
         rewards.close()
+
+
+def _generated(groups, version):
+    for group in groups:
+        for sample in group:
+            sample.response_ids, sample.response_versions, sample.policy_version = [7, 7], [version] * 2, version
+    return groups
+
+
+def test_the_tail_lane_holds_expired_groups_until_enough_gather_then_trains_them_first():
+    """tail_batch_trigger_size 3: expired groups wait (none is generated again) until 3 have gathered;
+    they then come out together, and once generated again they are trained before older groups."""
+    from trellis.engine.rollout.production.produce import new_groups
+    from trellis.engine.rollout.production.replay_buffer import ReplayBuffer
+
+    prompts = [(0, PromptRecord(index=i, messages=({"role": "user", "content": f"p{i}"},), prompt_ids=(1, i))) for i in range(5)]
+    groups = new_groups(prompts, repeat=2, version=0, train_step=1, id_prefix="r")
+    buffer = ReplayBuffer("sync", stale_after=1, tail_trigger=3)
+    for group in _generated(groups[:2], version=0):
+        buffer.put(group, "completed")
+    assert buffer.refresh(step=2) == 2  # version 0 at step 2: staleness 1, expired
+    assert buffer.count("tail") == 2 and all(not s.response_ids for g in groups[:2] for s in g)
+    assert buffer.take_pending(10) == [] and buffer.take_tail(10) == []  # 2 < 3: they wait
+
+    buffer.put(_generated([groups[2]], version=0)[0], "completed")
+    buffer.refresh(step=2)
+    restored = ReplayBuffer("sync", stale_after=1, tail_trigger=3)
+    restored.load_state_dict(buffer.state_dict(keep_generations=False))  # the lane survives a checkpoint
+    tail = restored.take_tail(10)
+    assert [g[0].group_id for g in tail] == [g[0].group_id for g in groups[:3]] and restored.tail_rounds == 1
+
+    restored.put(_generated([groups[3]], version=1)[0], "completed")  # an ordinary group, buffered first
+    for group in _generated(tail, version=1):
+        restored.put(group, "completed")
+    taken = restored.take(3)
+    assert [g[0].group_id for g in taken] == [g[0].group_id for g in groups[:3]]  # the tail lane first
+    assert restored.tail_trained == 3 and restored.take(1)[0][0].group_id == groups[3][0].group_id
+
+
+def test_a_tail_round_draws_no_new_prompt(tmp_path):
+    """The producer's round once the lane is full: the expired groups, nothing drawn from the dataset."""
+    producer, rewards, _ = make_producer(tmp_path, max_staleness=0, tail_batch_trigger_size=2)
+    try:
+        fresh, _ = producer._next_round(BATCH)
+        drawn = producer._sampler.state_dict()
+        for group in _generated(fresh, version=0):
+            producer.buffer.put(group, "completed")
+        producer.buffer.refresh(step=2)
+        tail, _ = producer._next_round(2 * BATCH)
+        assert [g[0].group_id for g in tail] == [g[0].group_id for g in fresh]
+        assert producer._sampler.state_dict() == drawn  # no prompt drawn in the tail round
+    finally:
+        rewards.close()

@@ -344,9 +344,10 @@ class ReplayBufferConfig(Frozen):
     tail_batch_trigger_size: int = Field(
         0,
         ge=-1,
-        le=0,
         description="Expired groups: 0 generates them again before any new prompt, so every prompt of an epoch is "
-        "trained once; -1 drops them (XTuner's default: the ledger then records those prompts as never trained).",
+        "trained once; -1 drops them (the ledger then records those prompts as never trained); N > 0 sets them aside "
+        "in a tail lane until N have gathered, then generates them together in a round without new prompts and trains "
+        "them before any other group (XTuner's tail batch). Groups still in the lane when the run ends stay open.",
     )
 
 

@@ -103,7 +103,7 @@ class Producer:
         self._group_filter = GroupFilter.of(config.dynamic_sampling)
         self._backend: RolloutBackend | None = None  # given with each continue_produce
         buffer = config.replay_buffer
-        self.buffer = ReplayBuffer(buffer.kind, config.stale_after, keep_expired=buffer.tail_batch_trigger_size >= 0)
+        self.buffer = ReplayBuffer(buffer.kind, config.stale_after, tail_trigger=buffer.tail_batch_trigger_size)
         self.progress = ProducerProgress()
         self._cond = threading.Condition()
         self._paused = True
@@ -239,16 +239,17 @@ class Producer:
 
     def _next_round(self, size: int) -> tuple[list[list[RolloutSample]], int]:
         """Groups to generate on first (interrupted, expired, restored), then new prompts; ids carry
-        the round, which no other round shares."""
+        the round, which no other round shares. A tail round (the tail lane is full) draws no new prompt."""
         progress = self.progress
         progress.rounds += 1
         groups = self.buffer.take_pending(size)
         progress.resumed_partial += sum(bool(s.response_ids) for group in groups for s in group)
-        fresh = new_groups(
+        tail = self.buffer.take_tail(size - len(groups))
+        fresh = [] if tail else new_groups(
             self._sampler.draw(size - len(groups)), repeat=self._config.prompt_repeat_k,
             version=progress.model_step, train_step=progress.rounds, id_prefix="train-r",
         )
-        return groups + fresh, progress.rounds
+        return groups + tail + fresh, progress.rounds
 
     def _produce(self, groups: list[list[RolloutSample]], round_index: int) -> None:
         """Generate a round; each group goes to the lake and then the buffer as soon as all its
@@ -343,6 +344,9 @@ class Producer:
             "async/pending_groups": float(self.buffer.count("pending")),
             "async/expired_groups": float(self.buffer.expired_total),
             "async/given_up_groups": float(len(self.buffer.given_up)),
+            "async/tail_waiting_groups": float(self.buffer.count("tail")),
+            "async/tail_rounds": float(self.buffer.tail_rounds),
+            "async/tail_trained_groups": float(self.buffer.tail_trained),
             "async/resumed_partial_samples": float(self.progress.resumed_partial),
             "async/produced_groups": float(self.progress.produced_groups),
             "async/filtered_groups": float(self.progress.filtered_groups),

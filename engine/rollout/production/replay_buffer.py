@@ -3,7 +3,9 @@
 Staleness of a sample trained at step t is ``t - v - 1``, v the policy version of its oldest token: a
 sample made by the weights of step t-1 has staleness 0. A group whose staleness reaches
 ``stale_after`` (``(max_staleness + 1) x sync_weights_interval``) expires: its responses are dropped
-and its prompt goes back to the producer (``keep_expired``) or is given up. Groups are never split.
+and its prompt is generated again at once (``tail_trigger`` 0), given up (-1), or waits in the tail lane
+(N > 0) until N expired groups have gathered; they are then generated together in a round of their own
+(``take_tail``) and trained before any other group (XTuner's tail batch). Groups are never split.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any, Callable, Literal
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.storage.lake import from_row, to_row
 
-GroupStatus = Literal["completed", "pending"]  # pending: to be generated on (interrupted, expired or restored)
+# pending: to be generated on (interrupted, expired or restored); tail: expired, waiting in the tail lane
+GroupStatus = Literal["completed", "pending", "tail"]
 
 
 def staleness(version: int, step: int) -> int:
@@ -48,11 +51,14 @@ class BufferedGroup:
 class ReplayBuffer:
     kind: Literal["sync", "async"]  # which completed groups are taken first: the oldest, or the stalest
     stale_after: int
-    keep_expired: bool  # expired prompts are generated again (True) or given up
+    tail_trigger: int  # expired groups: 0 generated again at once, -1 given up, N > 0 wait in the tail lane for N
     groups: list[BufferedGroup] = field(default_factory=list)
     next_uid: int = 0
     expired_total: int = 0  # groups that ever expired
     given_up: list[tuple[int, int]] = field(default_factory=list)  # (epoch, prompt_index) of dropped groups
+    tail_groups: set[str] = field(default_factory=set)  # group ids generated in a tail round, not trained yet
+    tail_rounds: int = 0
+    tail_trained: int = 0  # tail-lane groups ever trained
 
     def put(self, samples: list[RolloutSample], status: GroupStatus) -> None:
         self.groups.append(BufferedGroup(samples, self.next_uid, status))
@@ -69,10 +75,11 @@ class ReplayBuffer:
         for group in expired:
             self.expired_total += 1
             if on_expired is not None:
-                on_expired(group.samples, not self.keep_expired)
-            if self.keep_expired:
+                on_expired(group.samples, self.tail_trigger < 0)
+            self.tail_groups.discard(group.samples[0].group_id)
+            if self.tail_trigger >= 0:
                 reset_responses(group.samples)
-                group.status = "pending"
+                group.status = "tail" if self.tail_trigger > 0 else "pending"
             else:
                 self.groups.remove(group)
                 self.given_up.append((group.samples[0].epoch, group.samples[0].prompt_index))
@@ -83,9 +90,13 @@ class ReplayBuffer:
         ready = [g for g in self.groups if g.status == "completed"]
         if self.kind == "async":
             ready.sort(key=lambda g: (g.oldest_version, g.uid))
+        ready.sort(key=lambda g: g.samples[0].group_id not in self.tail_groups)  # the tail lane first (a stable sort)
         taken = ready[:count]
         for group in taken:
             self.groups.remove(group)
+            if group.samples[0].group_id in self.tail_groups:
+                self.tail_groups.remove(group.samples[0].group_id)
+                self.tail_trained += 1
         return [group.samples for group in taken]
 
     def take_pending(self, count: int) -> list[list[RolloutSample]]:
@@ -94,6 +105,18 @@ class ReplayBuffer:
         for group in pending:
             self.groups.remove(group)
         return [group.samples for group in pending]
+
+    def take_tail(self, count: int) -> list[list[RolloutSample]]:
+        """Once the tail lane holds ``tail_trigger`` groups: up to ``count`` of them, oldest first, removed
+        from the buffer and marked to be trained first when they come back completed; else none."""
+        if count <= 0 or self.tail_trigger <= 0 or self.count("tail") < self.tail_trigger:
+            return []
+        tail = [g for g in self.groups if g.status == "tail"][:count]
+        for group in tail:
+            self.groups.remove(group)
+            self.tail_groups.add(group.samples[0].group_id)
+        self.tail_rounds += 1
+        return [group.samples for group in tail]
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -106,9 +129,10 @@ class ReplayBuffer:
             status = group.status
             if not keep_generations:
                 reset_responses(samples)
-                status = "pending"
+                status = "tail" if status == "tail" else "pending"
             groups.append({"status": status, "rows": [to_row(s, "") for s in samples]})
-        return {"groups": groups, "next_uid": self.next_uid, "expired_total": self.expired_total, "given_up": self.given_up}
+        return {"groups": groups, "next_uid": self.next_uid, "expired_total": self.expired_total, "given_up": self.given_up,
+                "tail_groups": sorted(self.tail_groups), "tail_rounds": self.tail_rounds, "tail_trained": self.tail_trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups = []
@@ -117,3 +141,5 @@ class ReplayBuffer:
         self.next_uid = max(state["next_uid"], len(self.groups))
         self.expired_total = state["expired_total"]
         self.given_up = [tuple(item) for item in state["given_up"]]
+        self.tail_groups = set(state.get("tail_groups", ()))
+        self.tail_rounds, self.tail_trained = state.get("tail_rounds", 0), state.get("tail_trained", 0)
