@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from uuid import UUID
 
 import duckdb
 import pyarrow.dataset as ds
@@ -43,7 +45,8 @@ async def task_runs_named(prefix: str) -> list:
 
 
 def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api):
-    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="three_steps")
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, experiment_name="three_steps",
+                         trace={"enabled": True, "samples": False})
     started_us = time.time() * 1e6
     rl_train(config)
 
@@ -90,12 +93,31 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     lines = [log.message for log in await_(read_logs(list(log_steps)))]
     assert all(any(line.startswith(f"step {s}/3 ") and " reward " in line for line in lines) for s in (1, 2, 3)), lines
 
+    # Traced (trace: enabled, spans in logs/traces.jsonl): a phase's span names its Prefect task run, a
+    # step's span its flow run, and that flow run logs the trace's id.
+    spans = [json.loads(line) for line in (Path(config.run_uri) / "logs" / "traces.jsonl").read_text().splitlines()]
+    fits = {run.id: run for run in await_(task_runs_named("fit["))}
+    fit_spans = [span for span in spans if span["name"] == "fit"]
+    assert sorted(fits[UUID(span["attributes"]["prefect.task_run_id"])].name for span in fit_spans) == [f"fit[step={s}]" for s in (1, 2, 3)]
+    step_spans = {span["attributes"]["trellis.step"]: span for span in spans if span["name"].startswith("step ")}
+    assert {str(fits[UUID(span["attributes"]["prefect.task_run_id"])].flow_run_id) for span in fit_spans} == {
+        step_spans[s]["attributes"]["prefect.flow_run_id"] for s in (1, 2, 3)}
+    flow_logs = [log.message for log in await_(read_flow_logs([UUID(step_spans[1]["attributes"]["prefect.flow_run_id"])]))]
+    assert f"OpenTelemetry trace {step_spans[1]['context']['trace_id'][2:]} (step 1)" in flow_logs
+
 
 async def read_logs(task_run_ids: list) -> list:
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
     async with get_client() as client:
         return await client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=task_run_ids)))
+
+
+async def read_flow_logs(flow_run_ids: list) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async with get_client() as client:
+        return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=flow_run_ids)))
 
 
 def actor_calls_since(started_us: float, at_least: dict[str, int], timeout_s: float = 120.0) -> list[str]:

@@ -18,6 +18,7 @@ from trellis.engine.config.cluster import ClusterConfig
 from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
+from trellis.engine.config.trace import TraceConfig
 from trellis.engine.config.trackers import TrackerName, TrackersConfig, tracker_names
 from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.config.dataset import DatasetConfig
@@ -136,6 +137,7 @@ class TrellisConfig(Frozen):
         "tensorboard, wandb, mlflow (their settings under trackers:); jsonl alone: metrics.jsonl only.",
     )
     trackers: TrackersConfig = Field(default_factory=TrackersConfig)
+    trace: TraceConfig = Field(default_factory=TraceConfig)
     log_dir: Location | None = Field(None, description="Where the run's text log (run.log) goes; default {run}/logs.")
     artifact_links: Literal["uri", "console", "presigned"] = Field(
         "uri",

@@ -56,6 +56,9 @@ class RolloutSample:
     agent: dict[str, Any] | None = None
     # A vision-language prompt's images, in the order of its placeholders.
     images: list[PromptImage] = field(default_factory=list)
+    # What the sample went through, for tracing (engine.run.tracing): (what, wall start, wall end, attributes)
+    # for its generation, each agent turn and its reward. Never in the lake, never compared.
+    timings: list[tuple[str, float, float, dict[str, Any]]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def oldest_version(self) -> int:

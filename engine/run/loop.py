@@ -20,6 +20,7 @@ from trellis.engine.run.plan import RunPlan
 from trellis.engine.run.results import Done, StepOutcome
 from trellis.engine.run.run_log import run_log_for
 from trellis.engine.run.step import PhaseRunner
+from trellis.engine.run.tracing import close_tracer
 from trellis.engine.storage.report import Report, write_report
 from trellis.engine.storage.store import Store
 
@@ -90,6 +91,7 @@ class DirectRunner:
 
     def __init__(self, ctx: PhaseContext) -> None:
         self.ctx = ctx
+        self.config = ctx.config
 
     def run(self, phase: Phase, step: int, *inputs: Any) -> Any:
         return run_phase(phase, self.ctx, step, *inputs)
@@ -99,6 +101,13 @@ class DirectRunner:
 
     def close_trackers(self) -> None:
         self.ctx.workers.close_trackers()
+        close_tracer(self.ctx.config)
 
     def publish_report(self) -> None:
         write_run_report(self.ctx.config)
+
+    def trace_attributes(self) -> dict[str, str]:
+        return {}
+
+    def announce_trace(self, trace_id: str, step: int) -> None:
+        """The trace is the run's own: nothing else to point at it."""

@@ -27,6 +27,7 @@ from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Prepared
 from trellis.engine.run.rollback import check_stability, roll_back
 from trellis.engine.run.resume import begin_checkpoint, begin_hf_export, seal_checkpoint, seal_hf_export, train_state
 from trellis.engine.run.run_log import record_step
+from trellis.engine.run.tracing import sample_spans
 from trellis.engine.run.workers import Call, each
 from trellis.engine.storage.checkpoints import step_name
 from trellis.engine.storage.store import Store
@@ -41,8 +42,10 @@ _POLL_S = 2.0  # how long one ask of the replay buffer holds the controller
 
 def _kept_on(controller: Controller, step: int, produced: ProduceResult, expired: bool = False) -> BatchHandle:
     controller.keep(step, produced)
+    trace = controller.config.trace
+    spans = sample_spans(produced.groups) if trace.enabled and trace.samples else ()
     return BatchHandle(step, produced=produced.produced_samples, expired=expired, launched_s=produced.launched_s,
-                       metrics=produce_summary(produced))
+                       metrics=produce_summary(produced), sample_spans=spans)
 
 
 def _produce_on(controller: Controller, engines: Any, step: int) -> BatchHandle:

@@ -42,6 +42,9 @@ class BatchHandle:
     expired: bool = False
     launched_s: float = math.inf  # wall time its rollout was launched, perhaps during the previous step
     metrics: dict[str, float] = field(default_factory=dict)  # produce_time_s, trajectory/*, async/*... for the step's metrics
+    # With trace.samples: (rollout_id, what, wall start, wall end, attributes) of each sample's generation,
+    # agent turns and reward, for engine.run.tracing's spans
+    sample_spans: tuple[tuple[str, str, float, float, dict], ...] = ()
 
     @property
     def waits_for_weights(self) -> bool:

@@ -35,8 +35,10 @@ Phase names are the task names, the timer names and the ``time/*`` metric names 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Protocol
 
+from trellis.engine.config import TrellisConfig
 from trellis.engine.run.guard import Trip
 from trellis.engine.run.metrics import RunCounters, StepRecord, timer, update_metrics
 from trellis.engine.run.phases import (
@@ -63,6 +65,7 @@ from trellis.engine.run.phases import (
 from trellis.engine.run.plan import StepPlan
 from trellis.engine.run.rollback import RolledBack
 from trellis.engine.run.results import BatchHandle, Evaluation, Logged, Pending, Prepared, StepOutcome
+from trellis.engine.run.tracing import step_span, tracer_for
 
 BATCH_SOURCES = {phase.name: phase for phase in (PRODUCE_BATCH, LOAD_BATCH, GET_BATCH)}
 
@@ -70,14 +73,19 @@ BATCH_SOURCES = {phase.name: phase for phase in (PRODUCE_BATCH, LOAD_BATCH, GET_
 class PhaseRunner(Protocol):
     """Runs a phase of ``engine.run.phases`` (and the two ends of a run) as one runner does."""
 
+    config: TrellisConfig
+
     def run(self, phase: Phase, step: int, *inputs: Any) -> Any: ...
     def submit(self, phase: Phase, step: int, *inputs: Any) -> Pending[Any]: ...
     def close_trackers(self) -> None: ...
     def publish_report(self) -> None: ...
+    def trace_attributes(self) -> dict[str, str]: ...  # the runner's own ids on a traced step's span
+    def announce_trace(self, trace_id: str, step: int) -> None: ...  # where a traced step's trace id is told
 
 
 class StepPhases:
-    """One step's phases as they run: their order, and the time of each (the ``time/*`` metrics)."""
+    """One step's phases as they run: their order, the time of each (the ``time/*`` metrics), and their
+    spans when the run is traced (``engine.run.tracing``)."""
 
     def __init__(self, runner: PhaseRunner, step: int) -> None:
         self.runner, self.step = runner, step
@@ -86,20 +94,32 @@ class StepPhases:
         self.links: dict[str, str] = {}
         self.metrics: dict[str, float] = {}  # of the phases that publish metrics beside fit's and evaluate's
         self.started_s = time.time()
+        self.tracer = tracer_for(runner.config)
 
     def __call__(self, phase: Phase, *inputs: Any, step: int | None = None) -> Any:
         """Run ``phase`` (for ``step``, this step by default), timed."""
         self.ran.append(phase.name)
         with timer(phase.name, self.timings):
-            return self.runner.run(phase, self.step if step is None else step, *inputs)
+            return self._run(phase, self.step if step is None else step, *inputs)
 
     def untimed(self, phase: Phase, *inputs: Any) -> Any:
         self.ran.append(phase.name)
-        return self.runner.run(phase, self.step, *inputs)
+        return self._run(phase, self.step, *inputs)
 
     def beside(self, phase: Phase, *inputs: Any) -> Pending[Any]:
+        """A phase that runs beside the next ones; traced, its span covers its submission only."""
         self.ran.append(phase.name)
-        return self.runner.submit(phase, self.step, *inputs)
+        with self.tracer.phase(phase.name, self.step) if self.tracer else nullcontext():
+            return self.runner.submit(phase, self.step, *inputs)
+
+    def _run(self, phase: Phase, step: int, *inputs: Any) -> Any:
+        if self.tracer is None:
+            return self.runner.run(phase, step, *inputs)
+        with self.tracer.phase(phase.name, step):
+            result = self.runner.run(phase, step, *inputs)
+            if isinstance(result, BatchHandle) and result.sample_spans:
+                self.tracer.samples(result.sample_spans)
+            return result
 
     def finish(self, plan: StepPlan, record: StepRecord, sealed: bool) -> StepOutcome:
         """log_step, then the checkpoint's seal: a complete checkpoint promises its step is fully recorded."""
@@ -114,8 +134,13 @@ class StepPhases:
 
 
 def run_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> StepOutcome:
-    if plan.disaggregated:
-        return run_disaggregated_step(runner, plan, counters)
+    with step_span(runner.config, plan.step, runner.trace_attributes(), runner.announce_trace):
+        if plan.disaggregated:
+            return run_disaggregated_step(runner, plan, counters)
+        return run_colocated_step(runner, plan, counters)
+
+
+def run_colocated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCounters) -> StepOutcome:
     phases = StepPhases(runner, plan.step)
     batch: BatchHandle = phases(BATCH_SOURCES[plan.batch_source])
     written = phases.beside(WRITE_TRAJECTORIES) if plan.write_trajectories else None

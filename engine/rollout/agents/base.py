@@ -4,6 +4,7 @@ loops, the gateway's sessions and batch production all build on it; it builds on
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, Protocol
 
 from trellis.engine.data.samples import RolloutSample, Status
@@ -29,6 +30,7 @@ def start_session(sample: RolloutSample, loop: str, version: int | None = None, 
     sample.reward, sample.reward_payload = None, {}
     sample.status, sample.finish_reason, sample.error = Status.COMPLETED, "", None
     sample.agent = {"loop": loop, "turns": [], "tool_calls": [], **record, "stop_reason": None, "final_response": ""}
+    sample.timings = [t for t in sample.timings if t[0] != "agent.turn"] + [("agent.session", time.time(), time.time(), {"loop": loop})]
 
 
 def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], mask: int, version: int, turn: dict) -> None:
@@ -39,3 +41,5 @@ def append_turn(sample: RolloutSample, ids: list[int], logprobs: list[float], ma
     sample.response_mask = (sample.response_mask or []) + [mask] * len(ids)
     sample.response_versions = sample.response_versions + [version] * len(ids)
     sample.agent["turns"].append({**turn, "start": start, "end": len(sample.response_ids)})
+    since = max((t[2] for t in sample.timings if t[0] in ("agent.session", "agent.turn")), default=time.time())
+    sample.timings.append(("agent.turn", since, time.time(), {"turn": len(sample.agent["turns"]) - 1, "role": turn.get("role", ""), "tokens": len(ids)}))

@@ -5,6 +5,7 @@ both build on it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -28,9 +29,12 @@ def generate(
     if not samples:
         return
     lefts, step_params = _budgets(samples, params)
+    started = time.time()
     generations = backend.generate([backend_prompt(s) for s in samples], step_params, lefts)
+    ended = time.time()
     for sample, generation, left in zip(samples, generations, lefts):
         extend(sample, generation, left, backend.policy_version, decode)
+        sample.timings.append(("generate", started, ended, {"tokens": len(generation.response_ids[:left]), "finish_reason": generation.finish_reason}))
 
 
 def backend_prompt(sample: RolloutSample) -> list[int]:
@@ -49,9 +53,11 @@ def generate_streaming(
     if not samples:
         return
     lefts, step_params = _budgets(samples, params)
-    version = backend.policy_version
+    version, started = backend.policy_version, time.time()
     for index, generation in backend.stream([backend_prompt(s) for s in samples], step_params, lefts):
         extend(samples[index], generation, lefts[index], version, decode)
+        samples[index].timings.append(("generate", started, time.time(), {
+            "tokens": len(generation.response_ids[:lefts[index]]), "finish_reason": generation.finish_reason}))
         yield samples[index]
 
 

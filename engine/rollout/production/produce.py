@@ -99,11 +99,14 @@ def score(samples: list[RolloutSample], rewards: RewardRunner, overlong: Overlon
     for sample in completed:
         if _reported_reward(sample) is not None:
             sample.reward, sample.reward_payload = _reported_reward(sample), {"from": "agent"}
+    started = time.time()
     for sample, result in zip(scorable, rewards.score([s.reward_input() for s in scorable])):
         if result.error is not None:
             sample.fail(result.error)
         else:
             sample.reward, sample.reward_payload = result.score, result.payload
+        sample.timings.append(("reward", result.started_s or started, result.ended_s or time.time(),
+                               {"reward": sample.reward if result.error is None else "failed"}))
     for sample in completed:
         penalty = overlong.penalty(sample) if overlong is not None and sample.status == Status.COMPLETED else 0.0
         if penalty:

@@ -9,7 +9,9 @@ its sample FAILED with the reason, and never crashes or hangs the step (the stuc
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,8 @@ class RewardResult:
     score: float | None
     payload: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    started_s: float | None = None  # wall clock of the call in its worker process (tracing); None when it failed there
+    ended_s: float | None = None
 
 
 def resolve_function(spec: str, base_dir: str | Path | None = None) -> Callable[[dict[str, Any]], Any]:
@@ -37,9 +41,13 @@ def resolve_function(spec: str, base_dir: str | Path | None = None) -> Callable[
     return function
 
 
-def call_reward(spec: str, sample: dict[str, Any]) -> Any:
-    """Runs inside a pool process: import by name (cached by Python) and call."""
-    return resolve_function(spec)(sample)
+def call_reward(spec: str, sample: dict[str, Any]) -> tuple[Any, float, float]:
+    """Runs inside a pool process: import by name (cached by Python) and call; what it returned, and when
+    the call started and ended."""
+    function = resolve_function(spec)
+    started = time.time()
+    raw = function(sample)
+    return raw, started, time.time()
 
 
 def normalize(raw: Any) -> RewardResult:
@@ -79,7 +87,8 @@ class RewardRunner:
 
     def _collect(self, future) -> RewardResult:
         try:
-            return normalize(future.result())
+            raw, started, ended = future.result()
+            return dataclasses.replace(normalize(raw), started_s=started, ended_s=ended)
         except FutureTimeout:
             return RewardResult(None, {}, f"reward function timed out after {self._config.timeout_s:g}s")
         except Exception as error:  # the user's function raised: keep the message, fail the sample only
