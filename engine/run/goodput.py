@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
+from trellis.engine.storage.lake_query import GOODPUT_PREFIX
+
 if TYPE_CHECKING:
     from trellis.engine.run.metrics import RunDevices
 
@@ -37,7 +39,7 @@ DISCARDED = {
     "async/discarded_tokens/expired": "expired",
     "async/discarded_tokens/given_up": "given_up",
 }
-PREFIX = "goodput/device_s/"  # engine.storage.lake_query.run_goodput sums them over a run
+PREFIX = GOODPUT_PREFIX  # engine.storage.lake_query.run_goodput sums them over a run
 ROLLED_BACK_S = "guard/rolled_back_device_s"  # the step metric of the device-seconds a rollback threw away
 
 

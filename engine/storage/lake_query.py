@@ -25,6 +25,8 @@ from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import stored_steps
 from trellis.engine.storage.runs import RunNotFoundError, RunRef, run_folders
 
+GOODPUT_PREFIX = "goodput/device_s/"  # engine.run.goodput's split of a step's device-seconds
+
 
 @dataclass(frozen=True)
 class View:
@@ -107,8 +109,8 @@ def goodput_device_seconds(steps: dict[int, dict[str, Any]]) -> dict[str, float]
     totals: dict[str, float] = {}
     for record in steps.values():
         for key, value in record.items():
-            if key.startswith("goodput/device_s/"):
-                name = key.removeprefix("goodput/device_s/")
+            if key.startswith(GOODPUT_PREFIX):
+                name = key.removeprefix(GOODPUT_PREFIX)
                 totals[name] = totals.get(name, 0.0) + float(value)
     return totals
 

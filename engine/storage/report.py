@@ -19,7 +19,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from trellis.engine.storage.lake_query import run_goodput
+from trellis.engine.storage.lake_query import GOODPUT_PREFIX, run_goodput
 from trellis.engine.storage.report_samples import pictures_html, sample_pictures
 from trellis.engine.storage.store import Store
 
@@ -54,7 +54,7 @@ PANELS = (
     )),
     Panel("staleness", "Staleness of trained samples (steps)", "steps",
           (("async/staleness_mean", "async/staleness_max"),)),
-    Panel("goodput", "Where each step's device-seconds went (goodput)", "device-seconds", (("goodput/device_s/*",),),
+    Panel("goodput", "Where each step's device-seconds went (goodput)", "device-seconds", ((f"{GOODPUT_PREFIX}*",),),
           stacked=True),
 )
 
@@ -175,7 +175,7 @@ def draw_stacked(axes, records: Records, keys: list[str]) -> None:
     rows = [r for r in records if any(isinstance(r.get(k), (int, float)) for k in keys)]
     steps = [r["step"] for r in rows]
     layers = [[float(r.get(key, 0.0)) for r in rows] for key in keys]
-    axes.stackplot(steps, layers, labels=[key.removeprefix("goodput/device_s/") for key in keys])
+    axes.stackplot(steps, layers, labels=[key.removeprefix(GOODPUT_PREFIX) for key in keys])
 
 
 def draw_band(axes, records: Records, band: tuple[str, str]) -> None:

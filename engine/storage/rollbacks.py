@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trellis.engine.storage.lake import write_part
+from trellis.engine.storage.lake_query import GOODPUT_PREFIX
 from trellis.engine.storage.ledger import GROUPS
 from trellis.engine.storage.store import Store
 
@@ -37,7 +38,11 @@ def rollbacks_root(run: Store) -> Store:
 
 def read_trips(run: Store) -> list[dict[str, Any]]:
     """Every trip of the run, oldest first."""
-    target = rollbacks_root(run).join("trips.jsonl")
+    return _json_lines(rollbacks_root(run).join("trips.jsonl"))
+
+
+def _json_lines(target: Store) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file, in order; none when it does not exist."""
     if not target.exists():
         return []
     with target.open("r") as handle:
@@ -99,11 +104,7 @@ def _end_as_rolled_back(run: Store, step: int, part: str, fs) -> None:
 def _set_aside_metrics(run: Store, archive: Store, first: int) -> None:
     """The metrics lines of the steps from ``first`` on, copied beside the rest; the run's tracker drops
     them from ``metrics.jsonl`` when it writes those steps again."""
-    metrics = run.join("logs", "metrics.jsonl")
-    if not metrics.exists():
-        return
-    with metrics.open("r") as handle:
-        lines = [line for line in handle.read().splitlines() if line.strip() and json.loads(line)["step"] >= first]
+    lines = [json.dumps(line, sort_keys=True) for line in _json_lines(run.join("logs", "metrics.jsonl")) if line["step"] >= first]
     if lines:
         with archive.join("metrics.jsonl").open("w") as handle:
             handle.write("\n".join(lines) + "\n")
@@ -111,9 +112,5 @@ def _set_aside_metrics(run: Store, archive: Store, first: int) -> None:
 
 def set_aside_device_s(archive: Store) -> float:
     """The device-seconds the set-aside steps had logged (their ``goodput/device_s/*``)."""
-    metrics = archive.join("metrics.jsonl")
-    if not metrics.exists():
-        return 0.0
-    with metrics.open("r") as handle:
-        lines = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
-    return sum(value for line in lines for key, value in line.items() if key.startswith("goodput/device_s/"))
+    lines = _json_lines(archive.join("metrics.jsonl"))
+    return sum(value for line in lines for key, value in line.items() if key.startswith(GOODPUT_PREFIX))
