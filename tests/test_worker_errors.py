@@ -181,6 +181,12 @@ def test_a_trainer_killed_mid_run_is_named_with_what_happens_next(tmp_path, tiny
                 continue
         return found
 
+    def started_at(pid: int) -> float:
+        try:
+            return psutil.Process(pid).create_time()
+        except psutil.Error:
+            return 0.0
+
     before, armed = trainer_pids(), []  # trainers of earlier tests' runs, left by their failures
 
     def arm() -> None:
@@ -188,7 +194,8 @@ def test_a_trainer_killed_mid_run_is_named_with_what_happens_next(tmp_path, tiny
         while time.monotonic() < deadline and not armed:
             new = trainer_pids() - before
             if new:
-                (pid,) = new
+                # Normally one; a trainer of an earlier run still being torn down may show too: this run's is the newest.
+                pid = max(new, key=started_at)
                 kill_file.write_text(f"{pid} {2 * 16 * 8}")  # after steps 1-2's 256 scoring calls
                 armed.append(pid)
             time.sleep(0.05)
