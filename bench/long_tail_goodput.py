@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,12 +23,10 @@ from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E4
 
 use_lean_temporary_server()  # before Prefect is imported: the run starts its temporary server as the CLI does
 
-from tail_lane import long_tail_prompts  # noqa: E402
+from tail_lane import long_tail_config, long_tail_workspace  # noqa: E402
 
 from trellis.engine.cluster.head import stop_head  # noqa: E402
-from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.engine.storage.lake_query import goodput_device_seconds, run_goodput  # noqa: E402
-from trellis.engine.tiny.model import build_tiny_checkpoint  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
 
 
@@ -42,16 +39,8 @@ def main() -> None:
     parser.add_argument("--mean-len", type=float, default=10.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="trellis-long-tail-"))
-    model = build_tiny_checkpoint(work / "model", warmup=False)
-    data = long_tail_prompts(work / "train.parquet", 1024, mean=args.mean_len, cap=args.cap)
-    config = load_config(
-        "configs/tiny_reverse_async.yaml", load_from=str(model), train_dataset={"path": str(data), "max_prompt_length": 64},
-        eval_dataset=None, enable_evaluate=False, enable_initial_evaluate=False, work_dir=str(work), experiment_name="long_tail",
-        total_train_steps=args.steps, train_batch_size=8, prompt_repeat_k=4, auto_resume=False, checkpoint_interval=-1,
-        hf_interval=-1, exp_tracker="jsonl", rollout={"max_new_tokens": args.cap, "temperature": 1.0},
-        replay_buffer={"kind": "async", "max_staleness": 1, "enable_partial_rollout": True, "tail_batch_trigger_size": args.trigger},
-    )
+    work, model, data = long_tail_workspace("trellis-long-tail-", mean=args.mean_len, cap=args.cap)
+    config = long_tail_config(work, model, data, name="long_tail", steps=args.steps, cap=args.cap, trigger=args.trigger)
     started = time.perf_counter()
     try:
         rl_train(config)

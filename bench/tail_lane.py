@@ -44,15 +44,29 @@ def long_tail_prompts(path: Path, count: int, *, mean: float, cap: int) -> Path:
     return path
 
 
-def run_side(trigger: int, seed: int, model: Path, data: Path, work: Path, args: argparse.Namespace) -> dict:
-    config = load_config(
+def long_tail_workspace(prefix: str, *, mean: float, cap: int) -> tuple[Path, Path, Path]:
+    """A temporary folder with the untrained tiny model and 1,024 long-tail prompts: (folder, model, prompts)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = build_tiny_checkpoint(work / "model", warmup=False)
+    return work, model, long_tail_prompts(work / "train.parquet", 1024, mean=mean, cap=cap)
+
+
+def long_tail_config(work: Path, model: Path, data: Path, *, name: str, steps: int, cap: int, trigger: int,
+                     max_staleness: int = 1, seed: int = 42):
+    """The asynchronous trainer on the long-tail prompts: 8 prompts x 4, partial rollout, no evaluation or saves."""
+    return load_config(
         "configs/tiny_reverse_async.yaml", load_from=str(model), train_dataset={"path": str(data), "max_prompt_length": 64},
-        eval_dataset=None, enable_evaluate=False, enable_initial_evaluate=False, work_dir=str(work),
-        experiment_name=f"tail{trigger}_seed{seed}", total_train_steps=args.steps, train_batch_size=8, prompt_repeat_k=4,
-        seed=seed, auto_resume=False, checkpoint_interval=-1, hf_interval=-1, exp_tracker="jsonl",
-        rollout={"max_new_tokens": args.cap, "temperature": 1.0},
-        replay_buffer={"kind": "async", "max_staleness": args.max_staleness, "enable_partial_rollout": True, "tail_batch_trigger_size": trigger},
+        eval_dataset=None, enable_evaluate=False, enable_initial_evaluate=False, work_dir=str(work), experiment_name=name,
+        total_train_steps=steps, train_batch_size=8, prompt_repeat_k=4, seed=seed, auto_resume=False,
+        checkpoint_interval=-1, hf_interval=-1, exp_tracker="jsonl", rollout={"max_new_tokens": cap, "temperature": 1.0},
+        replay_buffer={"kind": "async", "max_staleness": max_staleness, "enable_partial_rollout": True,
+                       "tail_batch_trigger_size": trigger},
     )
+
+
+def run_side(trigger: int, seed: int, model: Path, data: Path, work: Path, args: argparse.Namespace) -> dict:
+    config = long_tail_config(work, model, data, name=f"tail{trigger}_seed{seed}", steps=args.steps, cap=args.cap,
+                              trigger=trigger, max_staleness=args.max_staleness, seed=seed)
     started = time.perf_counter()
     with LocalRun(config) as local:
         local.run()
@@ -83,9 +97,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="trellis-tail-lane-"))
-    model = build_tiny_checkpoint(work / "model", warmup=False)
-    data = long_tail_prompts(work / "train.parquet", 1024, mean=args.mean_len, cap=args.cap)
+    work, model, data = long_tail_workspace("trellis-tail-lane-", mean=args.mean_len, cap=args.cap)
     sides = {"regenerate at once (0)": 0, f"tail lane ({args.trigger})": args.trigger}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for round_, name in alternated(list(sides), args.rounds):
