@@ -95,11 +95,11 @@ def _read_rows(config: DatasetConfig, report: SkipReport):
     """The dataset's rows with ``config.columns`` renamed; a renamed column that is missing from the first
     row stops the read (a mapping that names no real column would otherwise skip every row as "no prompt")."""
     rows = hf_rows(config) if config.hf is not None else _file_rows(config, report)
-    for row in rows:
+    for position, row in enumerate(rows):
         if config.hf is not None:
             report.rows_read += 1
         if config.columns:
-            if report.rows_read == 1 and (missing := [c for c in config.columns if c not in row]):
+            if position == 0 and (missing := [c for c in config.columns if c not in row]):
                 raise DatasetError(f"{config.source}: columns names {missing}, not among the dataset's columns {sorted(row)}")
             row = {config.columns.get(key, key): value for key, value in row.items()}
         yield row
