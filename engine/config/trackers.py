@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
 from trellis.engine.config.base import Frozen
 
@@ -15,6 +15,11 @@ TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 def tracker_names(value: object) -> object:
     """``exp_tracker: tensorboard`` and ``exp_tracker: [tensorboard, mlflow]`` both read as a list."""
     return [value] if isinstance(value, str) else value
+
+
+# One name or a list, read as a list. The JSON schema says both (Prefect checks a deployment's parameters
+# against it, and configs written before the list was allowed hold one name).
+TrackerNames = Annotated[list[TrackerName], BeforeValidator(tracker_names, json_schema_input_type=TrackerName | list[TrackerName])]
 
 
 class WandbConfig(Frozen):

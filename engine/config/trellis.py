@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from trellis.engine.config.attest import AttestConfig
 from trellis.engine.config.base import Frozen, Location, StorageOptions
@@ -19,7 +19,7 @@ from trellis.engine.config.guard import GuardConfig
 from trellis.engine.config.lora import LoraConfig
 from trellis.engine.config.rules import RULES
 from trellis.engine.config.trace import TraceConfig
-from trellis.engine.config.trackers import TrackerName, TrackersConfig, tracker_names
+from trellis.engine.config.trackers import TrackerNames, TrackersConfig
 from trellis.engine.config.dynamic_sampling import DynamicSamplingConfig
 from trellis.engine.config.dataset import DatasetConfig
 from trellis.engine.config.sections import (
@@ -132,7 +132,7 @@ class TrellisConfig(Frozen):
     debug_rollout: bool = Field(False, description="Start no trainer: generate and score batches with the initial policy into debug_rollout_dir.")
     debug_train: bool = Field(False, description="Start no rollout worker: train on the batches stored under debug_rollout_dir, one per step.")
     debug_rollout_dir: Location | None = Field(None, description="Where debug_rollout writes and debug_train reads; any run folder works.")
-    exp_tracker: list[TrackerName] = Field(
+    exp_tracker: TrackerNames = Field(
         ["tensorboard"], description="Where metrics go besides metrics.jsonl (always written): one name or a list of "
         "tensorboard, wandb, mlflow (their settings under trackers:); jsonl alone: metrics.jsonl only.",
     )
@@ -156,8 +156,6 @@ class TrellisConfig(Frozen):
     rollout_resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     replay_buffer: ReplayBufferConfig = Field(default_factory=ReplayBufferConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-
-    _exp_tracker_names = field_validator("exp_tracker", mode="before")(tracker_names)
 
     @model_validator(mode="after")
     def _check_rules(self) -> TrellisConfig:
