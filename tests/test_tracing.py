@@ -102,7 +102,7 @@ def test_a_traced_run_sends_a_trace_per_step_with_its_phases_and_samples(tiny_mo
     assert {line["name"] for line in lines} == {s.name for s in spans}
 
 
-def test_tracing_off_records_no_span_and_a_remote_trace_file_is_refused(tiny_model, reverse_data, tmp_path):
+def test_a_remote_trace_file_is_refused_with_the_setting_named(tiny_model, reverse_data, tmp_path):
     """Tried: trace.file on object storage. The run stops at its first step with the setting named."""
     from trellis.engine.errors import SettingError
 

@@ -64,7 +64,8 @@ def step_span(config: TrellisConfig, step: int, attributes: dict[str, str] | Non
 
 
 def mark_task_run(task_run_id: str, task_run_name: str) -> None:
-    """Inside a Prefect task: its ids on the phase span it runs under (nothing when not tracing)."""
+    """A phase's Prefect task run on the phase's span, which is current where the flow's runner called
+    the task (nothing when not tracing)."""
     try:
         from opentelemetry import trace
     except ImportError:
