@@ -144,9 +144,17 @@ def test_an_unknown_key_does_not_hide_the_other_problems():
     assert "  - config: Evaluation is enabled but eval_dataset is not set" in message
 
 
-def test_replay_buffer_settings_belong_to_the_disaggregated_trainer():
-    check("checkpoint_no_save_replay_buffer is set, but only trainer: disaggregated", checkpoint_no_save_replay_buffer=True)
-    check("replay_buffer is set, but only trainer: disaggregated", replay_buffer={"max_staleness": 1})
+def test_replay_buffer_settings_belong_to_the_disaggregated_trainer_or_colocated_over_sampling():
+    """Tried: buffer keys on a plain colocated run; over-sampling on the disaggregated trainer; over-sampling
+    with a debug mode. A colocated run that over-samples takes the buffer's keys."""
+    check("checkpoint_no_save_replay_buffer is set, but this run has no replay buffer", checkpoint_no_save_replay_buffer=True)
+    check("replay_buffer is set, but only trainer: disaggregated, or a colocated run with", replay_buffer={"max_staleness": 1})
+    check("over_sample_threshold is for trainer: colocated", trainer="disaggregated", replay_buffer={"over_sample_threshold": 0.5})
+    check("replay_buffer.over_sample_threshold runs no debug mode", debug_rollout=True,
+          replay_buffer={"over_sample_threshold": 0.5})
+    over = load_config(None, **BASE, replay_buffer={"over_sample_threshold": 0.5, "max_staleness": 1, "enable_partial_rollout": True,
+                                                   "tail_batch_trigger_size": 2}, checkpoint_no_save_replay_buffer=True)
+    assert over.over_samples and over.keeps_replay_buffer and over.stale_after == 2
     check("needs replay_buffer.enable_partial_rollout", trainer="disaggregated",
           replay_buffer={"mask_offpolicy_in_partial_rollout": True})
     config = load_config(None, **BASE, trainer="disaggregated", replay_buffer={"max_staleness": 1}, sync_weights_interval=2)

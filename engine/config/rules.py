@@ -151,20 +151,29 @@ def algorithm_problems(config: TrellisConfig) -> list[str]:
 
 
 def trainer_problems(config: TrellisConfig) -> list[str]:
-    """The disaggregated trainer's settings, and only with it."""
+    """The replay buffer's settings: the disaggregated trainer's, or a colocated run's that over-samples."""
     problems = []
-    if not config.disaggregated:
+    if not config.keeps_replay_buffer:
         if config.replay_buffer != type(config.replay_buffer)():
-            problems.append("replay_buffer is set, but only trainer: disaggregated has a replay buffer.")
+            problems.append(
+                "replay_buffer is set, but only trainer: disaggregated, or a colocated run with "
+                "replay_buffer.over_sample_threshold > 0, has a replay buffer."
+            )
         if config.checkpoint_no_save_replay_buffer:
-            problems.append("checkpoint_no_save_replay_buffer is set, but only trainer: disaggregated has a replay buffer.")
+            problems.append("checkpoint_no_save_replay_buffer is set, but this run has no replay buffer.")
         return problems
+    trainer = "trainer: disaggregated" if config.disaggregated else "replay_buffer.over_sample_threshold"
+    if config.disaggregated and config.replay_buffer.over_sample_threshold > 0:
+        problems.append(
+            "replay_buffer.over_sample_threshold is for trainer: colocated; the disaggregated producer already "
+            "generates ahead of the trainer (max_staleness bounds how far)."
+        )
     if config.debug_rollout or config.debug_train:
-        problems.append("trainer: disaggregated runs no debug mode; use trainer: colocated with debug_rollout or debug_train.")
+        problems.append(f"{trainer} runs no debug mode; use trainer: colocated without it for debug_rollout or debug_train.")
     if not backend_traits(config.rollout.backend).supports_abort:
         problems.append(
-            f"trainer: disaggregated pauses generation in flight for each weight sync, and rollout.backend="
-            f"{config.rollout.backend} cannot abort it: use trainer: colocated."
+            f"{trainer} stops generation in flight (for a weight sync, or once the batch is full), and "
+            f"rollout.backend={config.rollout.backend} cannot abort it: use trainer: colocated without it."
         )
     for agent in config.agents:
         if agent.loop != "single_turn" and config.replay_buffer.enable_partial_rollout:

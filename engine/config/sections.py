@@ -319,9 +319,10 @@ class ResourcesConfig(Frozen):
 
 
 class ReplayBufferConfig(Frozen):
-    """The disaggregated trainer's buffer of scored groups (XTuner's Sync/AsyncReplayBufferConfig, with the
-    staleness knobs of its produce strategy). Staleness of a sample trained at step t is t - v - 1, v the
-    policy version of its oldest token: 0 for data made by the weights just before t."""
+    """The buffer of scored groups (XTuner's Sync/AsyncReplayBufferConfig, with the staleness knobs of its
+    produce strategy): the disaggregated trainer's, or a colocated run's with ``over_sample_threshold``.
+    Staleness of a sample trained at step t is t - v - 1, v the policy version of its oldest token: 0 for
+    data made by the weights just before t (XTuner's token staleness)."""
 
     kind: Literal["sync", "async"] = Field(
         "sync", description="Which buffered groups a step takes first: sync the oldest, async the stalest."
@@ -340,6 +341,14 @@ class ReplayBufferConfig(Frozen):
     )
     mask_offpolicy_in_partial_rollout: bool = Field(
         False, description="Leave out of the loss the tokens a continued sample got from an older policy (slime's option)."
+    )
+    over_sample_threshold: float = Field(
+        0.0,
+        ge=0.0,
+        description="trainer: colocated only. Each step launches train_batch_size x (1 + this) groups and trains "
+        "the first train_batch_size that end; the rest are stopped then and kept for the next step: continued "
+        "with enable_partial_rollout (within max_staleness), else started again from their prompt. Groups that "
+        "ended beyond the batch are trained first next step. 0: every group of a step is generated to its end.",
     )
     tail_batch_trigger_size: int = Field(
         0,

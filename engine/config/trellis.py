@@ -200,6 +200,15 @@ class TrellisConfig(Frozen):
         return self.trainer == "disaggregated"
 
     @property
+    def over_samples(self) -> bool:
+        """A colocated run that launches more groups than it trains (XTuner's over_sample_threshold)."""
+        return not self.disaggregated and self.replay_buffer.over_sample_threshold > 0
+
+    @property
+    def keeps_replay_buffer(self) -> bool:
+        return self.disaggregated or self.over_samples
+
+    @property
     def stale_after(self) -> int:
         """A sample this stale (see ReplayBufferConfig) is too old to train."""
         return (self.replay_buffer.max_staleness + 1) * self.sync_weights_interval

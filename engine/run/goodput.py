@@ -7,7 +7,8 @@ they share them (colocated), both where each side has its own (disaggregated). T
 - ``discarded/<why>``: generating responses thrown away: ``filtered`` by dynamic sampling, ``failed``
   (a reward or generation error spoiled the group), ``invalid`` (aborted, empty), ``truncated``
   (cut at the budget and masked out), in the asynchronous trainer ``expired`` (too stale, to be
-  generated again) and ``given_up``, and ``rolled_back``: every device-second of the steps the
+  generated again) and ``given_up``, ``aborted`` (colocated over-sampling without partial rollout: stopped
+  once the batch was full, to start again from the prompt), and ``rolled_back``: every device-second of the steps the
   stability guard set aside, counted in the first step logged after the rollback;
 - ``other_generation``: generated in this step's window but neither trained nor thrown away in it
   (the asynchronous trainer's groups waiting for a later step, dynamic sampling's surplus);
@@ -38,6 +39,7 @@ DISCARDED = {
     "async/discarded_tokens/filtered": "filtered",
     "async/discarded_tokens/expired": "expired",
     "async/discarded_tokens/given_up": "given_up",
+    "async/discarded_tokens/aborted": "aborted",
 }
 PREFIX = GOODPUT_PREFIX  # engine.storage.lake_query.run_goodput sums them over a run
 ROLLED_BACK_S = "guard/rolled_back_device_s"  # the step metric of the device-seconds a rollback threw away

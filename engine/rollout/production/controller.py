@@ -7,7 +7,9 @@ kept by step, so a rollout launched ahead of its step (``start_rollout``) is col
 ``produce_batch`` from whichever process asks, and the step's later phases name their batch by step.
 
 With ``trainer: disaggregated`` it also owns the background producer and its replay buffer
-(``engine.rollout.production.producer``); produced groups land in the lake as they are scored.
+(``engine.rollout.production.producer``); produced groups land in the lake as they are scored. A
+colocated run that over-samples drives the same buffer a step at a time
+(``engine.rollout.production.over_sampling``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from trellis.engine.rollout.production.produce import (
     sampling_params,
     step_seed,
 )
+from trellis.engine.rollout.production.over_sampling import OverSampler
 from trellis.engine.rollout.production.producer import Producer
 from trellis.engine.rollout.production.prompt_ledger import PromptLedger
 from trellis.engine.rollout.production.task_mix import rollout_inputs
@@ -68,9 +71,9 @@ class Controller:
         self._sampler_before_step: dict[int, dict[str, int]] = {}
         self._produced: dict[int, ProduceResult] = {}
         self.guard_state: dict[str, Any] = {}  # the stability guard's history (engine.run.guard), checkpointed with the rest
-        self.producer: Producer | None = None
-        if config.disaggregated:
-            self.producer = Producer(
+        self.producer: Producer | None = None  # the replay buffer's: in the background, or one step at a time
+        if config.keeps_replay_buffer:
+            self.producer = (OverSampler if config.over_samples else Producer)(
                 config, sampler=self.sampler, rewards=self.rewards, overlong=self.overlong, record=self._record_produced,
                 agent_loop=self.agent_loop, ledger=self.ledger,
             )
@@ -91,12 +94,17 @@ class Controller:
     def produce_batch(self, step: int, backend: RolloutBackend) -> ProduceResult:
         if step in self._produced:
             return self._produced[step]
-        if step in self._sampler_before_step:
-            self.sampler.load_state_dict(self._sampler_before_step[step])
-        else:
+        retried = step in self._sampler_before_step
+        if not retried:
             self._sampler_before_step[step] = self.sampler.state_dict()
             for old in sorted(self._sampler_before_step)[:-_KEPT_SNAPSHOTS]:
                 del self._sampler_before_step[old]
+        if isinstance(self.producer, OverSampler):  # a retried step goes on from the buffer, not a rewound sampler
+            produced = self.producer.produce_step(step, backend).as_produced()
+            self.keep(step, produced)
+            return produced
+        if retried:
+            self.sampler.load_state_dict(self._sampler_before_step[step])
         config = self.config
 
         def produce_round(round_index: int, prompts: int) -> ProduceResult:

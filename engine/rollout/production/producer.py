@@ -355,7 +355,7 @@ class Producer:
             "timing/pause_s": self._pause_s,
         }
         if groups:  # an empty batch trains no step: what was thrown away counts with the next one
-            counters.update({f"async/discarded_tokens/{why}": float(self._discarded.get(why, 0)) for why in ("filtered", "expired", "given_up")})
+            counters.update({f"async/discarded_tokens/{why}": float(self._discarded.get(why, 0)) for why in ("filtered", "expired", "given_up", "aborted")})
             self._discarded = {}
         pause_s, self._pause_s = self._pause_s, 0.0
         (seconds, samples, tokens), self._window = self._window, [0.0, 0, 0]
