@@ -114,12 +114,12 @@ def engine_warnings_in_run_log(config: TrellisConfig) -> Iterator[RunLog]:
     task run writing them, so that the UI shows what the console shows."""
     run_log = run_log_for(config)
     handler = RunLogHandler(run_log)
-    logging.getLogger("engine").addHandler(handler)
+    logging.getLogger("trellis.engine").addHandler(handler)
     run_log.listeners.append(_to_prefect_logger)
     try:
         yield run_log
     finally:
-        logging.getLogger("engine").removeHandler(handler)
+        logging.getLogger("trellis.engine").removeHandler(handler)
         run_log.listeners.remove(_to_prefect_logger)
 
 

@@ -27,3 +27,19 @@ def kill_once(sample):
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass
     return score(sample)
+
+
+def freeze_once(sample):
+    """As ``kill_once``, but SIGSTOP the process: it stays alive and answers nothing (a hung engine)."""
+    marker = Path(os.environ["TRELLIS_TEST_KILL_FILE"])
+    try:
+        pid, *countdown = marker.read_text().split()
+        left = int(countdown[0]) if countdown else 0
+        if left > 0:
+            marker.write_text(f"{pid} {left - 1}")
+        else:
+            marker.unlink()
+            os.kill(int(pid), signal.SIGSTOP)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass
+    return score(sample)

@@ -202,6 +202,34 @@ def test_a_rollout_worker_that_dies_on_every_restart_ends_the_run_with_its_cause
     workers.release()
 
 
+def test_a_hung_rollout_engine_is_found_and_replaced_while_the_producer_holds_it(tiny_model, tmp_path, ray_cluster, prefect_api):
+    """On-policy (max_staleness 0), the producer makes one batch a step. Its engine is SIGSTOPped while
+    the last group of step 2's batch is scored: that batch is delivered, but the producer waits on the
+    frozen engine's stream. Step 2's health check, before the pause (which would wait on the frozen engine
+    too), finds it hung, kills it (the producer's stream fails, its groups go back to the buffer),
+    and the sync gives the new engine the weights; the producer restarts on it. Nothing waits for
+    ray_get_timeout_s (raised here to 600 s: a wait would show in the run's wall time), no task is
+    retried, and every prompt is trained once."""
+    data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
+    rollout = {**yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())["rollout"], "health_check": {"probe_timeout_s": 5}}
+    config = async_config(tiny_model, data, tmp_path, ray_cluster, "async_hung", total_train_steps=4, checkpoint_interval=-1,
+                          replay_buffer={"max_staleness": 0}, reward={"function": "fault_rewards:freeze_once"}, rollout=rollout,
+                          cluster={**ray_cluster["cluster"], "flow_retries": 0, "ray_get_timeout_s": 600})
+    workers = RunWorkers(config)
+    workers.attach()
+    kill_file = ray_cluster["kill_file"]
+    kill_file.write_text(f"{workers.pids()['rollout']} {2 * 16 * 8 - 1}")  # at the last scoring call of step 2's batch
+    started = time.monotonic()
+    rl_train(config)
+    assert time.monotonic() - started < 300 and recoveries("async_hung") == []
+    assert not kill_file.exists()
+    metrics = logged_metrics(config)
+    assert [metrics[step]["health/hung_engines"] for step in (1, 2, 3, 4)] == [0, 1, 0, 0]
+    assert "The health check found rollout worker 0 (async_hung-rollout) hung" in (Path(config.log_uri) / "run.log").read_text()
+    ledger = f"read_parquet('{config.run_uri}/ledger/groups/*/*.parquet')"
+    assert duckdb.sql(f"SELECT status, count(*) FROM {ledger} GROUP BY status").fetchall() == [("trained", 4 * 16)]
+
+
 def test_a_reward_module_the_workers_cannot_import_ends_the_run_with_its_cause(tiny_model, tmp_path, ray_cluster, prefect_api):
     """Tried: a reward module that imports on the driver (so preflight passes) and raises
     ModuleNotFoundError on the workers. The run ends with the module's own error, without waiting for

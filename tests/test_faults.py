@@ -1,6 +1,6 @@
 """Things break on purpose while the real flow runs on a real Ray cluster: the flow process is
-SIGKILLed mid-step, the training worker is SIGKILLed mid-step. Each run still ends with the same
-trajectories and metrics as a run nothing happened to."""
+SIGKILLed mid-step, the training worker is SIGKILLed mid-step, the rollout worker is SIGKILLed or frozen
+between steps. Each run still ends with the same trajectories and metrics as a run nothing happened to."""
 
 from __future__ import annotations
 
@@ -112,6 +112,67 @@ def test_a_training_worker_killed_mid_step_is_recovered_by_a_flow_retry(
     assert rows == lake_rows(uninterrupted)
     assert logged_metrics(config) == logged_metrics(uninterrupted)
     ledger_check(config)
+
+
+@pytest.mark.parametrize("damage", ["kill_once", "freeze_once"])
+def test_a_dead_or_hung_rollout_engine_is_replaced_before_a_step_needs_it(
+    tiny_model, reverse_data, tmp_path, ray_cluster, prefect_api, uninterrupted, damage
+):
+    """While step 3 is scored, the rollout worker's process is SIGKILLed (dead) or SIGSTOPped (hung:
+    alive, answering nothing). Step 3's health check, before its weight sync, finds it (the frozen one
+    by a heartbeat that times out), replaces it, and the sync gives the new engine the trainer's
+    weights: no task fails or is retried (without the check, step 3's sync_weights fails and its
+    retry replaces the engine, or waits on the frozen one until ray_get_timeout_s), the old process
+    is gone, and the run ends with the trajectories and metrics of a run nothing happened to."""
+    rollout = {**yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())["rollout"],
+               "health_check": {"probe_timeout_s": 5}}
+    name = f"engine_{damage}"
+    config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, name, reward={"function": f"fault_rewards:{damage}"},
+                         rollout=rollout)
+    workers = RunWorkers(config)
+    workers.attach()
+    engine_pid = workers.pids()["rollout"]
+    kill_file = ray_cluster["kill_file"]
+    kill_file.write_text(f"{engine_pid} {32 + 2 * 16 * 8 + 32 + 3}")  # evaluations at 0 and 2, steps 1-2, then into step 3
+    rl_train(config)
+
+    assert not kill_file.exists()
+    metrics = logged_metrics(config)
+    assert [metrics[step]["health/replaced_engines"] for step in range(1, STEPS + 1)] == [0, 0, 1, 0, 0, 0]
+    assert metrics[3]["health/hung_engines"] == float(damage == "freeze_once")
+    assert not _process_lives(engine_pid)
+    (run,) = flow_runs(f"rl_run[{name}]")
+    assert run.run_count == 1 and run.state_name == "Completed"
+    tasks = asyncio.run(_step_task_runs(run.id))
+    assert "check_rollout[step=3]" in {task.name for task in tasks}
+    assert [task.name for task in tasks if task.run_count > 1 or task.state_name != "Completed"] == []
+    log = (Path(config.log_uri) / "run.log").read_text()
+    assert "the health check replaced 1 rollout engine(s)" in log
+    found = "hung: no answer to a heartbeat in 5s" if damage == "freeze_once" else "dead: "
+    assert f"The health check found rollout worker 0 ({name}-rollout) {found}" in log
+    assert lake_rows(config) == lake_rows(uninterrupted)
+    assert _without_health(logged_metrics(config)) == _without_health(logged_metrics(uninterrupted))
+
+
+def _process_lives(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie left for its parent to reap counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _without_health(metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    return {step: {k: v for k, v in m.items() if not k.startswith("health/")} for step, m in metrics.items()}
+
+
+async def _step_task_runs(run_id) -> list:
+    """The task runs of the step flow runs under the flow run ``run_id``."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    async with get_client() as client:
+        steps = await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [run_id]}))
+        return await client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id={"any_": [step.id for step in steps]}))
 
 
 def _task_runs(name: str) -> list:

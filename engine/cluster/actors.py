@@ -9,17 +9,19 @@ explicitly instead (``cluster.torch_threads``).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ray
 import torch
 
+from trellis.engine.cluster.health import Heartbeat
 from trellis.engine.cluster.remote_rollout import RemoteRollout
 from trellis.engine.config import TrellisConfig
 from trellis.engine.config.backends import backend_traits
 from trellis.engine.devices import resolve_device, rollout_device, set_up_process
-from trellis.engine.faults import fault_point
+from trellis.engine.faults import fault_freeze, fault_point
 from trellis.engine.rollout.backends.registry import build_rollout_backend
 from trellis.engine.rollout.backends.base import Generation, SamplingParams
 from trellis.engine.rollout.production.controller import Controller
@@ -209,6 +211,7 @@ class RolloutActor(BuiltFrom):
         self._on_gpu = rollout_device(config).type == "cuda"
         self._weight_group: WeightGroup | None = None
         self._timeout_s = config.cluster.ray_get_timeout_s
+        self._generating = 0  # streams in progress
 
     def gpu_identity(self) -> str | None:
         return gpu_identity() if self._on_gpu else None
@@ -245,7 +248,20 @@ class RolloutActor(BuiltFrom):
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
     ) -> Iterator[tuple[int, Generation]]:
-        yield from self.backend.stream(prompts, params, limits)
+        self._generating += 1
+        self.backend.last_step_s = time.monotonic()
+        try:
+            yield from self.backend.stream(prompts, params, limits)
+        finally:
+            self._generating -= 1
+
+    @ray.method(concurrency_group="control")
+    def heartbeat(self) -> Heartbeat:
+        """The health check's probe (``engine.cluster.health``), answered beside a running generation."""
+        fault_point("rollout.heartbeat")
+        fault_freeze("rollout.heartbeat_hang")
+        stalled = time.monotonic() - self.backend.last_step_s if self._generating else 0.0
+        return Heartbeat(pid=os.getpid(), generating=bool(self._generating), stalled_s=stalled)
 
     @ray.method(concurrency_group="control")
     def abort(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from trellis.engine.cluster.health import check_and_replace
 from trellis.engine.cluster.workers import RunWorkers
 from trellis.engine.config import TrellisConfig
 from trellis.engine.run.plan import Role
@@ -48,6 +49,9 @@ class RayWorkers:
 
     def replace_lost_rollout(self) -> bool:
         return self.cluster.replace_lost_rollout()
+
+    def check_rollout_health(self) -> dict[str, float]:
+        return check_and_replace(self.cluster)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.cluster.wait(self.cluster.actor("controller").log_metrics.remote(metrics, step))

@@ -286,13 +286,13 @@ class RunWorkers:
             self.restart_rollout(lost)
         return bool(lost)
 
-    def restart_rollout(self, indices: list[int] | None = None) -> ActorHandle:
-        """Replace rollout workers (all by default) and give them the trainer's current weights;
-        returns the first replaced."""
+    def restart_rollout(self, indices: list[int] | None = None, *, load_weights: bool = True) -> ActorHandle:
+        """Replace rollout workers (all by default) and give them the trainer's current weights (unless
+        a weight sync follows anyway); returns the first replaced."""
         indices = list(range(self.count("rollout"))) if indices is None else indices
         self._kill([self.names("rollout")[index] for index in indices])
         replaced = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in indices]
-        if "trainer" in self.roles:  # debug_rollout keeps the initial weights
+        if load_weights and "trainer" in self.roles:  # debug_rollout keeps the initial weights
             self._load_trainer_weights()
         return replaced[0]
 

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from trellis.engine.config.base import Frozen, Location, checked_runtime_env
 from trellis.engine.config.dataset import DatasetConfig
+from trellis.engine.config.health import HealthCheckConfig
 from trellis.engine.config.rollout_is import RolloutISConfig
 
 
@@ -34,6 +35,7 @@ class RolloutConfig(Frozen):
         "mismatch it adds shows in the mismatch/ metrics; loss.rollout_is corrects for it.",
     )
     sleep_level: Literal[1, 2] = Field(1, description="vLLM only: level of sleep while the trainer trains.")
+    health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
     return_routed_experts: bool = Field(
         False,
         description="MoE policies: record the experts the engine routed each response token through (top-k ids of "

@@ -175,6 +175,12 @@ def sync_weights(ctx: PhaseContext, step: int) -> dict[str, float]:
     return ctx.workers.sync_weights(step)
 
 
+def check_rollout(ctx: PhaseContext, step: int) -> dict[str, float]:
+    """Before a weight sync: every rollout engine's heartbeat; a dead or hung one is replaced by a fresh
+    engine, which the sync then gives the trainer's weights (``engine.cluster.health``)."""
+    return ctx.workers.check_rollout_health()
+
+
 def _trainer_print_on(trainer: TrainingWorker) -> dict:
     return fingerprint(trainer.export_weights())  # every rank takes part in gathering the full tensors
 
@@ -289,6 +295,7 @@ FIT = Phase("fit", "trainer", fit, retries=NEVER, on_retry=(), publishes=("metri
 SAVE_CHECKPOINT = Phase("save_checkpoint", "trainer", save_checkpoint, retries=ONCE, on_retry=())  # a retry starts afresh
 EXPORT_HF = Phase("export_hf", "trainer", export_hf, retries=ONCE, on_retry=())
 PAUSE_PRODUCE = Phase("pause_produce", "controller", pause_produce, on_retry=())
+CHECK_ROLLOUT = Phase("check_rollout", "rollout", check_rollout, on_retry=(), publishes=("metrics",))  # it replaces what it finds
 SYNC_WEIGHTS = Phase("sync_weights", "rollout", sync_weights, publishes=("metrics",))  # an attestation failure is not retried: it synced again already
 CHECK_WEIGHTS = Phase("check_weights", "rollout", check_weights, publishes=("metrics",))
 CHECK_STABILITY = Phase("check_stability", "controller", check_stability, on_retry=())
@@ -303,7 +310,7 @@ PHASES: dict[str, Phase] = {
     phase.name: phase
     for phase in (
         PRODUCE_BATCH, START_ROLLOUT, LOAD_BATCH, GET_BATCH, WRITE_TRAJECTORIES, PREPARE_DATA, FIT, CHECK_STABILITY, ROLL_BACK,
-        SAVE_CHECKPOINT, EXPORT_HF, PAUSE_PRODUCE, SYNC_WEIGHTS, CHECK_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP,
+        SAVE_CHECKPOINT, EXPORT_HF, PAUSE_PRODUCE, CHECK_ROLLOUT, SYNC_WEIGHTS, CHECK_WEIGHTS, EVALUATE, CONTINUE_PRODUCE, LOG_STEP,
         COMMIT_CHECKPOINT, LOG_EVALUATION,
     )
 }

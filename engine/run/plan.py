@@ -142,6 +142,7 @@ class StepPlan:
     export_hf: bool
     sync_weights: bool
     check_weights: bool  # after sync_weights: the rollout serves the trainer's weights
+    check_rollout: bool  # before sync_weights: the rollout engines' health check
     evaluate: bool
     launch_next_rollout: bool  # start_rollout[step + 1] before this step's records
     check_stability: bool = False  # after fit: the stability guard's rules; a trip rolls back (engine.run.rollback)
@@ -166,6 +167,7 @@ def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
         export_hf=records and trains and config.hf_interval not in (None, -1) and (step % config.hf_interval == 0 or last),
         sync_weights=synced,
         check_weights=synced and _every(config.check_weights_interval, step // config.sync_weights_interval),
+        check_rollout=synced and _every(config.rollout.health_check.interval, step // config.sync_weights_interval),
         evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
         launch_next_rollout=plan.overlap_next_rollout and rolls and not last and not config.disaggregated,
         check_stability=config.guard.enabled and trains,

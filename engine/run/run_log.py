@@ -133,7 +133,7 @@ def step_summary(step: int, total: int, metrics: Mapping[str, float]) -> str:
 
 
 def step_warnings(step: int, metrics: Mapping[str, float]) -> list[str]:
-    """What a step did that a user should hear of: failed samples, groups left out of training."""
+    """What a step did that a user should hear of: failed samples, groups left out of training, replaced engines."""
     warnings = []
     failed = int(metrics.get("rollout/failed_samples", 0))
     if failed:
@@ -141,6 +141,10 @@ def step_warnings(step: int, metrics: Mapping[str, float]) -> list[str]:
     skipped = int(metrics.get("response/skipped_groups", 0))
     if skipped:
         warnings.append(f"step {step}: {skipped} group(s) left out of training (a failed sample in the group)")
+    replaced = int(metrics.get("health/replaced_engines", 0))
+    if replaced:
+        warnings.append(f"step {step}: the health check replaced {replaced} rollout engine(s) "
+                        f"({int(metrics.get('health/hung_engines', 0))} hung, the others dead) before the weight sync")
     return warnings
 
 

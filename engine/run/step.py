@@ -3,8 +3,8 @@
 ``run_step`` calls the phases a ``StepPlan`` says are due, in this order:
 
     produce_batch (or load_batch) ─► write_trajectories (runs beside the next phases)
-        └─► prepare_data ─► fit ─► check_stability? ─► save_checkpoint? ─► export_hf? ─► sync_weights? ─► check_weights?
-            ─► evaluate? ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
+        └─► prepare_data ─► fit ─► check_stability? ─► save_checkpoint? ─► export_hf? ─► check_rollout? ─► sync_weights?
+            ─► check_weights? ─► evaluate? ─► start_rollout[step+1]? ─► log_step ─► commit_checkpoint?
                                   └─ tripped ─► roll_back (the run goes on after the checkpoint it went back to)
 
 Each phase is a row of ``engine.run.phases``; a runner runs it. The Prefect flow's runner makes each a
@@ -22,8 +22,8 @@ a producer fills beside it, and pauses the producer only around a weight sync:
 
     get_batch ─► write_trajectories (beside) ─► prepare_data ─► fit ─► check_stability?
         (tripped ─► pause_produce ─► roll_back ─► continue_produce)
-        ─► [pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► check_weights? ─► evaluate?
-            ─► continue_produce]
+        ─► [check_rollout? ─► pause_produce ─► save_checkpoint? ─► export_hf? ─► sync_weights ─► check_weights?
+            ─► evaluate? ─► continue_produce]
         ─► log_step ─► commit_checkpoint?
 
 An empty batch marked expired means the producer waits for weights the trainer already has: the step
@@ -42,6 +42,7 @@ from trellis.engine.config import TrellisConfig
 from trellis.engine.run.guard import Trip
 from trellis.engine.run.metrics import RunCounters, StepRecord, timer, update_metrics
 from trellis.engine.run.phases import (
+    CHECK_ROLLOUT,
     CHECK_STABILITY,
     CHECK_WEIGHTS,
     COMMIT_CHECKPOINT,
@@ -177,6 +178,8 @@ def run_disaggregated_step(runner: PhaseRunner, plan: StepPlan, counters: RunCou
     eval_metrics: dict[str, float] = {}
     synced = plan.sync_weights or batch.expired
     if synced:
+        if plan.check_rollout:  # first: a hung engine would hold up the pause
+            phases.metrics.update(phases(CHECK_ROLLOUT))
         phases(PAUSE_PRODUCE)
         save_and_export(phases, plan)
         phases.metrics.update(phases(SYNC_WEIGHTS))
@@ -218,6 +221,8 @@ def save_and_export(phases: StepPhases, plan: StepPlan) -> None:
 
 
 def sync_and_check(phases: StepPhases, plan: StepPlan) -> None:
+    if plan.check_rollout:
+        phases.metrics.update(phases(CHECK_ROLLOUT))
     if plan.sync_weights:
         phases.metrics.update(phases(SYNC_WEIGHTS))
     if plan.check_weights:

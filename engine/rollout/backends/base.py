@@ -4,6 +4,7 @@ logprobs under the sampling policy, text and a finish reason out."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 
@@ -114,6 +115,7 @@ class StreamingBackend:
     def __init__(self) -> None:
         self._policy_version = 0
         self._intake = WeightIntake()
+        self.last_step_s = time.monotonic()  # when generation last advanced a decode step (the health check's stall clock)
 
     @property
     def policy_version(self) -> int:

@@ -8,6 +8,7 @@ from the same logits it samples from.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from typing import Iterator, Mapping, Sequence
 
@@ -83,6 +84,7 @@ class TransformersRollout(StreamingBackend):
             routes_BTLK = torch.zeros(batch, params.max_new_tokens, shape.layers, shape.top_k, dtype=shape.id_dtype, device=self._device)
 
         for t in range(params.max_new_tokens):
+            self.last_step_s = time.monotonic()
             if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
                 break
             token_B, logprob_B = sample_tokens(logits, params, generator, self._banned)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -114,6 +115,7 @@ class VllmRollout(StreamingBackend):
         partial: dict[str, tuple[list[int], list[float], np.ndarray | None]] = {}
         try:
             while index_of and engine.has_unfinished_requests():
+                self.last_step_s = time.monotonic()
                 if self._abort.is_set():  # a pause: what each sample has so far is kept (partial rollout)
                     break
                 for output in engine.step():  # only the requests that ended in this step
