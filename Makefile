@@ -24,7 +24,7 @@ run: setup build/tiny/config.json
 	$(BIN)/trellis train configs/tiny_reverse.yaml
 
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile  # two processes, a test module each at a time (pytest-xdist)
 
 bench: setup
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[bench]"
