@@ -46,12 +46,12 @@ def main() -> None:
         model = build_tiny_checkpoint(root / "tiny")
         data = write_dataset(root / "train.parquet", 4096, seed=0)
         # flow-prefect-defaults: the flow step on a temporary Prefect server with Prefect's own settings,
-        # for what flows.prefect_settings saves; flow-no-health-check: without the check_rollout task.
+        # for what flows.prefect_settings saves; flow-health-check: with the check_rollout task every step.
         contestants = (
             ("trellis", "trellis_step.py", WARMUP_STEPS, {}),
             ("trellis-flow", "trellis_flow_step.py", 0, {}),
             ("flow-prefect-defaults", "trellis_flow_step.py", 0, {"TRELLIS_BENCH_PREFECT_DEFAULTS": "1"}),
-            ("flow-no-health-check", "trellis_flow_step.py", 0, {"TRELLIS_BENCH_HEALTH_CHECK": "0"}),
+            ("flow-health-check", "trellis_flow_step.py", 0, {"TRELLIS_BENCH_HEALTH_CHECK": "1"}),
             ("trl", "trl_peer.py", WARMUP_STEPS, {}),
         )
         results = {name: {"wall": [], "cpu": [], "rss": [], "overhead": [], "round_medians": []} for name, _, _, _ in contestants}
@@ -69,7 +69,7 @@ def main() -> None:
     for name, r in results.items():
         print(f"{name:21s} median {with_spread(r['wall'])} s/step   CPU {with_spread(r['cpu'])} CPU-s/step   "
               f"RSS {max(r['rss']):.2f} GB (driver process)")
-    for name in ("trellis-flow", "flow-prefect-defaults", "flow-no-health-check"):
+    for name in ("trellis-flow", "flow-prefect-defaults", "flow-health-check"):
         print(f"{name}: orchestration overhead (workers idle, from Ray's timeline) {with_spread(results[name]['overhead'])} s/step")
 
     def ratio(a: str, b: str, label: str) -> None:
@@ -78,7 +78,7 @@ def main() -> None:
         print(f"{label} {medians[a] / medians[b]:.3f}   (per round: {rounds['min']:.3f} .. {rounds['max']:.3f}, n={rounds['n']})")
 
     ratio("trellis-flow", "flow-prefect-defaults", "lean_server_vs_prefect_defaults")
-    ratio("trellis-flow", "flow-no-health-check", "health_check_cost")
+    ratio("flow-health-check", "trellis-flow", "health_check_cost")
     ratio("trellis-flow", "trl", "flow_vs_trl")
     ratio("trellis-flow", "trellis", "flow_vs_engine")
     ratio("trellis", "trl", "ratio_vs_trl")

@@ -88,9 +88,10 @@ def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool = T
                 train_batch_size=16, prompt_repeat_k=8,
                 optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
                 cluster={"address": address, "release_workers_at_end": False}, attest={"enabled": attest},
-                # 0: without the rollout health check's task, for what it costs the step (cpu_step.py).
+                # TRELLIS_BENCH_HEALTH_CHECK=1: the rollout health check's task every step (off on CPU by
+                # default), for what it costs the step (cpu_step.py).
                 rollout={"temperature": 1.0, "max_new_tokens": 8,
-                         "health_check": {"interval": int(os.environ.get("TRELLIS_BENCH_HEALTH_CHECK", "1"))}},
+                         "health_check": {"interval": int(os.environ.get("TRELLIS_BENCH_HEALTH_CHECK", "0"))}},
             )
             rl_train(config)
             clock = StepClock()

@@ -6,8 +6,7 @@ next time the worker writes ``POINT PID`` to ``{file}.fired``, removes the file 
 process, as an out-of-memory kill or a lost node would end it. The test then knows the kill happened,
 where, and to which process. Outside the tests the variable is unset and a point costs one lookup.
 
-A ``fault_freeze`` point hangs the process instead (the health check's tests find it hung). A
-``fault_flag`` is a point that does not kill: it answers True when it fires (the caller then does the
+A ``fault_flag`` is a point that does not kill: it answers True when it fires (the caller then does the
 damage, as flipping a weight sync's bytes), and ``POINT COUNT TIMES`` makes it fire TIMES times in a row.
 
 ``trainer.lr_spike`` is such a flag: the optimizer step that fires it runs at ``LR_SPIKE_FACTOR`` times its
@@ -27,13 +26,6 @@ LR_SPIKE, LR_SPIKE_FACTOR = "trainer.lr_spike", 100.0
 def fault_point(name: str) -> None:
     if _fires(name):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def fault_freeze(name: str) -> None:
-    """A point that hangs its process instead of killing it (SIGSTOP): alive to the OS and to Ray, it
-    answers nothing from then on, as an engine wedged in a driver call or a deadlock would."""
-    if _fires(name):
-        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def fault_flag(name: str) -> bool:

@@ -211,7 +211,7 @@ def test_a_hung_rollout_engine_is_found_and_replaced_while_the_producer_holds_it
     ray_get_timeout_s (raised here to 600 s: a wait would show in the run's wall time), no task is
     retried, and every prompt is trained once."""
     data = write_dataset(tmp_path / "small.parquet", 32, seed=0)
-    rollout = {**yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())["rollout"], "health_check": {"probe_timeout_s": 5}}
+    rollout = {**yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())["rollout"], "health_check": {"interval": 1, "probe_timeout_s": 5}}
     config = async_config(tiny_model, data, tmp_path, ray_cluster, "async_hung", total_train_steps=4, checkpoint_interval=-1,
                           replay_buffer={"max_staleness": 0}, reward={"function": "fault_rewards:freeze_once"}, rollout=rollout,
                           cluster={**ray_cluster["cluster"], "flow_retries": 0, "ray_get_timeout_s": 600})

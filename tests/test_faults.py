@@ -125,7 +125,7 @@ def test_a_dead_or_hung_rollout_engine_is_replaced_before_a_step_needs_it(
     retry replaces the engine, or waits on the frozen one until ray_get_timeout_s), the old process
     is gone, and the run ends with the trajectories and metrics of a run nothing happened to."""
     rollout = {**yaml.safe_load((ROOT / "configs" / "tiny_reverse.yaml").read_text())["rollout"],
-               "health_check": {"probe_timeout_s": 5}}
+               "health_check": {"interval": 1, "probe_timeout_s": 5}}
     name = f"engine_{damage}"
     config = flow_config(tiny_model, reverse_data, tmp_path, ray_cluster, name, reward={"function": f"fault_rewards:{damage}"},
                          rollout=rollout)

@@ -57,8 +57,8 @@ def test_the_in_process_run_and_the_flow_run_are_the_same_run(tiny_model, revers
     flow_phases = asyncio.run(_phases_by_step("rl_run[parity_flow]"))
     local_phases = {report.step: list(report.phases) for report in reports if report.step > 0}
     assert local_phases[3] == [
-        "produce_batch", "write_trajectories", "prepare_data", "fit", "save_checkpoint", "export_hf", "check_rollout",
-        "sync_weights", "check_weights", "log_step", "commit_checkpoint",
+        "produce_batch", "write_trajectories", "prepare_data", "fit", "save_checkpoint", "export_hf", "sync_weights",
+        "check_weights", "log_step", "commit_checkpoint",
     ]
     assert "start_rollout" in local_phases[1] and "evaluate" in local_phases[2]
     for step, phases in local_phases.items():
@@ -105,8 +105,8 @@ def test_the_disaggregated_trainer_runs_the_same_run_in_process_and_through_the_
     local_phases = {report.step: list(report.phases) for report in reports}
     assert local_phases[0] == ["evaluate", "log_evaluation"]
     assert local_phases[2] == [
-        "get_batch", "write_trajectories", "prepare_data", "fit", "check_rollout", "pause_produce", "save_checkpoint",
-        "sync_weights", "check_weights", "evaluate", "continue_produce", "log_step", "commit_checkpoint",
+        "get_batch", "write_trajectories", "prepare_data", "fit", "pause_produce", "save_checkpoint", "sync_weights",
+        "check_weights", "evaluate", "continue_produce", "log_step", "commit_checkpoint",
     ]
     for step in (1, 2, 3):
         assert sorted(flow_phases[step]) == sorted(local_phases[step]), step

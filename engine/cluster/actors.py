@@ -21,9 +21,9 @@ from trellis.engine.cluster.remote_rollout import RemoteRollout
 from trellis.engine.config import TrellisConfig
 from trellis.engine.config.backends import backend_traits
 from trellis.engine.devices import resolve_device, rollout_device, set_up_process
-from trellis.engine.faults import fault_freeze, fault_point
+from trellis.engine.faults import fault_point
 from trellis.engine.rollout.backends.registry import build_rollout_backend
-from trellis.engine.rollout.backends.base import Generation, SamplingParams
+from trellis.engine.rollout.backends.base import Generation, SamplingParams, in_order
 from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.rollout.backends.pool import RolloutPool
 from trellis.engine.run.identity import WorkerFingerprint
@@ -242,13 +242,13 @@ class RolloutActor(BuiltFrom):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
     ) -> list[Generation]:
-        return self.backend.generate(prompts, params, limits)
+        return in_order(self.stream(prompts, params, limits), len(prompts))
 
     @ray.method(num_returns="streaming")
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
     ) -> Iterator[tuple[int, Generation]]:
-        self._generating += 1
+        self._generating += 1  # what the heartbeat's stall clock watches
         self.backend.last_step_s = time.monotonic()
         try:
             yield from self.backend.stream(prompts, params, limits)
@@ -258,8 +258,6 @@ class RolloutActor(BuiltFrom):
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> Heartbeat:
         """The health check's probe (``engine.cluster.health``), answered beside a running generation."""
-        fault_point("rollout.heartbeat")
-        fault_freeze("rollout.heartbeat_hang")
         stalled = time.monotonic() - self.backend.last_step_s if self._generating else 0.0
         return Heartbeat(pid=os.getpid(), generating=bool(self._generating), stalled_s=stalled)
 

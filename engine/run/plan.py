@@ -72,6 +72,7 @@ class RunPlan(BaseModel):
     roles: tuple[Role, ...]
     rollout_on_gpu: bool
     overlap_next_rollout: bool  # launch each step's rollout at the end of the previous step
+    check_rollout_every: int = 0  # the rollout health check before every N-th weight sync (0: never)
     start: StartPlan
     counters: RunCounters  # the throughput counters the first step continues
     devices: RunDevices  # what the per-device throughput/* of each side divide by
@@ -105,6 +106,7 @@ def resolve_run_plan(
         rollout_on_gpu=facts.rollout_on_gpu,
         overlap_next_rollout=config.cluster.overlaps_next_rollout(facts.rollout_on_gpu)
         and not (config.debug_train or config.disaggregated),
+        check_rollout_every=config.rollout.health_check.every(facts.rollout_on_gpu),
         start=start,
         counters=counters,
         devices=run_devices(config, facts),
@@ -167,7 +169,7 @@ def plan_step(config: TrellisConfig, plan: RunPlan, step: int) -> StepPlan:
         export_hf=records and trains and config.hf_interval not in (None, -1) and (step % config.hf_interval == 0 or last),
         sync_weights=synced,
         check_weights=synced and _every(config.check_weights_interval, step // config.sync_weights_interval),
-        check_rollout=synced and _every(config.rollout.health_check.interval, step // config.sync_weights_interval),
+        check_rollout=synced and _every(plan.check_rollout_every, step // config.sync_weights_interval),
         evaluate=synced and config.enable_evaluate and step % config.evaluate_step == 0,
         launch_next_rollout=plan.overlap_next_rollout and rolls and not last and not config.disaggregated,
         check_stability=config.guard.enabled and trains,
