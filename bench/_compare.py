@@ -6,7 +6,8 @@ checked equal, so that an unlike comparison fails instead of printing a ratio.""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable, Mapping, Sequence
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 def alternated(names: Sequence[str], rounds: int) -> list[tuple[int, str]]:
@@ -62,3 +63,19 @@ def figures_table(figures: Mapping[str, Mapping[str, Sequence[float]]], specs: M
     for key, spec in specs.items():
         rows.append([key, *(with_spread(figures[n][key], spec) if figures[n].get(key) else "-" for n in names)])
     return _table(["figure: median (min .. max, n)", *names], rows)
+
+
+def run_sides(sides: Mapping[str, Any], rounds: int, run: Callable[[Any, int], dict], figures: Sequence[str]) -> dict:
+    """Run every side once per round, alternately (``run(setting, round)`` returns a run's figures), printing
+    each run, then every figure's median with its spread per side; returns the command, the runs and the figures."""
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for round_, name in alternated(list(sides), rounds):
+        result = run(sides[name], round_)
+        runs[name].append(result)
+        print(f"round {round_} {name}: " + ", ".join(f"{k} {result[k]:.6g}" for k in figures), flush=True)
+    summary = {"command": " ".join(sys.argv), "runs": runs,
+               "figures": {name: {k: spread(r[k] for r in side) for k in figures} for name, side in runs.items()}}
+    print("\nmedian (min .. max) over the rounds:")
+    for name, by_figure in summary["figures"].items():
+        print(f"  {name}: " + "; ".join(f"{k} {f['median']:.6g} ({f['min']:.6g} .. {f['max']:.6g})" for k, f in by_figure.items()))
+    return summary

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import alternated, spread  # noqa: E402
+from _compare import run_sides  # noqa: E402
 from tail_lane import long_tail_workspace  # noqa: E402
 
 from trellis.engine.config.loading import load_config  # noqa: E402
@@ -78,19 +78,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work, model, data = long_tail_workspace("trellis-over-sampling-", mean=args.mean_len, cap=args.cap)
     sides = {"colocated": 0.0, f"colocated, over-sampling {args.threshold:g}": args.threshold}
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_, name in alternated(list(sides), args.rounds):
-        run = run_side(sides[name], seed=round_, model=model, data=data, work=work, args=args)
-        runs[name].append(run)
-        print(f"round {round_} {name}: " + ", ".join(f"{k} {run[k]:.6g}" for k in FIGURES), flush=True)
-    summary = {"command": " ".join(sys.argv), "runs": runs,
-               "figures": {name: {k: spread(r[k] for r in side) for k in FIGURES} for name, side in runs.items()}}
+    summary = run_sides(sides, args.rounds, lambda threshold, round_: run_side(threshold, seed=round_, model=model, data=data,
+                                                                             work=work, args=args), FIGURES)
+    runs = summary["runs"]
     plain, over = (runs[name] for name in sides)
     ratios = [o["trained_tokens_per_s"] / p["trained_tokens_per_s"] for p, o in zip(plain, over)]  # paired by round
     summary["tokens_per_s_ratio_by_round"] = ratios
-    print("\nmedian (min .. max) over the rounds:")
-    for name, figures in summary["figures"].items():
-        print(f"  {name}: " + "; ".join(f"{k} {f['median']:.6g} ({f['min']:.6g} .. {f['max']:.6g})" for k, f in figures.items()))
     print("trained tokens/s, over-sampling / plain, by round: " + ", ".join(f"{r:.2f}x" for r in ratios))
     (args.out / "colocated_over_sampling.json").write_text(json.dumps(summary, indent=1))
 

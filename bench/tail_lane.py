@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import alternated, spread  # noqa: E402
+from _compare import run_sides  # noqa: E402
 
 from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.engine.run.local import LocalRun  # noqa: E402
@@ -99,16 +99,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work, model, data = long_tail_workspace("trellis-tail-lane-", mean=args.mean_len, cap=args.cap)
     sides = {"regenerate at once (0)": 0, f"tail lane ({args.trigger})": args.trigger}
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_, name in alternated(list(sides), args.rounds):
-        run = run_side(sides[name], seed=round_, model=model, data=data, work=work, args=args)
-        runs[name].append(run)
-        print(f"round {round_} {name}: " + ", ".join(f"{k} {run[k]:.6g}" for k in FIGURES), flush=True)
-    summary = {"command": " ".join(sys.argv), "runs": runs,
-               "figures": {name: {k: spread(r[k] for r in side) for k in FIGURES} for name, side in runs.items()}}
-    print("\nmedian (min .. max) over the rounds:")
-    for name, figures in summary["figures"].items():
-        print(f"  {name}: " + "; ".join(f"{k} {f['median']:.6g} ({f['min']:.6g} .. {f['max']:.6g})" for k, f in figures.items()))
+    summary = run_sides(sides, args.rounds, lambda trigger, round_: run_side(trigger, seed=round_, model=model, data=data,
+                                                                           work=work, args=args), FIGURES)
     (args.out / "tail_lane.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -15,22 +15,17 @@ def kill_rollout_once(sample):
 def kill_once(sample):
     """Score like the task. $TRELLIS_TEST_KILL_FILE holds "PID [CALLS]": after CALLS more scoring
     calls (0 by default), SIGKILL that process and disarm by removing the file."""
-    marker = Path(os.environ["TRELLIS_TEST_KILL_FILE"])
-    try:
-        pid, *countdown = marker.read_text().split()
-        left = int(countdown[0]) if countdown else 0
-        if left > 0:
-            marker.write_text(f"{pid} {left - 1}")
-        else:
-            marker.unlink()
-            os.kill(int(pid), signal.SIGKILL)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        pass
+    _signal_once(signal.SIGKILL)
     return score(sample)
 
 
 def freeze_once(sample):
     """As ``kill_once``, but SIGSTOP the process: it stays alive and answers nothing (a hung engine)."""
+    _signal_once(signal.SIGSTOP)
+    return score(sample)
+
+
+def _signal_once(signum: int) -> None:
     marker = Path(os.environ["TRELLIS_TEST_KILL_FILE"])
     try:
         pid, *countdown = marker.read_text().split()
@@ -39,7 +34,6 @@ def freeze_once(sample):
             marker.write_text(f"{pid} {left - 1}")
         else:
             marker.unlink()
-            os.kill(int(pid), signal.SIGSTOP)
+            os.kill(int(pid), signum)
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass
-    return score(sample)
