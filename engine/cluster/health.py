@@ -13,7 +13,6 @@ sync finds it idle.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -40,12 +39,11 @@ class Verdict:
     index: int  # of the rollout worker
     state: Literal["ok", "dead", "hung"]
     why: str = ""
-    answered_s: float = 0.0  # how long its heartbeat took
 
 
 def probe_rollouts(cluster: RunWorkers, settings: HealthCheckConfig) -> list[Verdict]:
-    """Every rollout worker's heartbeat at once; a verdict each, in worker order."""
-    started = time.monotonic()
+    """Every rollout worker's heartbeat at once, waited for up to ``probe_timeout_s``; a verdict each, in
+    worker order."""
     verdicts: dict[int, Verdict] = {}
     asked = {}
     for index, name in enumerate(cluster.names("rollout")):
@@ -53,31 +51,24 @@ def probe_rollouts(cluster: RunWorkers, settings: HealthCheckConfig) -> list[Ver
             asked[index] = ray.get_actor(name, namespace=cluster.config.ray_namespace).heartbeat.remote()
         except ValueError:  # no live actor of that name
             verdicts[index] = Verdict(index, "dead", "its actor is gone")
-    answered: dict[int, float] = {}
-    waiting = dict(asked)
-    deadline = started + settings.probe_timeout_s
-    while waiting:
-        ready, _ = ray.wait(list(waiting.values()), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        index = next(i for i, ref in waiting.items() if ref == ready[0])
-        answered[index] = time.monotonic() - started
-        del waiting[index]
+    answered = set()
+    if asked:
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=settings.probe_timeout_s)
     for index, ref in asked.items():
-        verdicts[index] = _verdict(index, ref, answered.get(index), settings)
+        verdicts[index] = _verdict(index, ref, ref in answered, settings)
     return [verdicts[index] for index in sorted(verdicts)]
 
 
-def _verdict(index: int, ref, answered_s: float | None, settings: HealthCheckConfig) -> Verdict:
-    if answered_s is None:
+def _verdict(index: int, ref: ray.ObjectRef, answered: bool, settings: HealthCheckConfig) -> Verdict:
+    if not answered:
         return Verdict(index, "hung", f"no answer to a heartbeat in {settings.probe_timeout_s:g}s")
     try:
         beat: Heartbeat = ray.get(ref)
     except (RayActorError, RayTaskError) as error:
-        return Verdict(index, "dead", f"its process ended ({type(error).__name__})", answered_s)
+        return Verdict(index, "dead", f"its process ended ({type(error).__name__})")
     if beat.stalled_s > settings.stall_after_s:
-        return Verdict(index, "hung", f"generating with no decode step for {beat.stalled_s:.0f}s (pid {beat.pid})", answered_s)
-    return Verdict(index, "ok", answered_s=answered_s)
+        return Verdict(index, "hung", f"generating with no decode step for {beat.stalled_s:.0f}s (pid {beat.pid})")
+    return Verdict(index, "ok")
 
 
 def check_and_replace(cluster: RunWorkers) -> dict[str, float]:

@@ -67,9 +67,7 @@ class OverSampler(Producer):
             self._produce(groups, round_index)
         except BaseException:
             with self._cond:  # drawn, not trained: a retried step generates them first
-                for group in self._in_flight:
-                    self.buffer.put(group, "pending")
-                self._in_flight = []
+                self._requeue_in_flight()
             raise
         finally:
             self._backend.resume_generation()  # stopped at the full batch: the engines serve the next caller

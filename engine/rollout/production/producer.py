@@ -232,9 +232,8 @@ class Producer:
                 self._produce(groups, round_index)
         except BaseException as error:  # the trainer sees it at its next get_batch
             with self._cond:
-                for group in self._in_flight:  # drawn, not produced: generated again after a restart
-                    self.buffer.put(group, "pending")
-                self._in_flight, self._failure, self._busy = [], error, False
+                self._requeue_in_flight()  # drawn, not produced: generated again after a restart
+                self._failure, self._busy = error, False
                 self._cond.notify_all()
 
     def _next_round(self, size: int) -> tuple[list[list[RolloutSample]], int]:
@@ -278,9 +277,13 @@ class Producer:
         with self._cond:
             self._window[0] += time.perf_counter() - started
             self._window[2] += sum(len(s.response_ids) for s in unfinished) - tokens_before
-            for group in self._in_flight:  # interrupted by a pause: continued in a later round
-                self.buffer.put(group, "pending")
-            self._in_flight = []
+            self._requeue_in_flight()  # interrupted by a pause: continued in a later round
+
+    def _requeue_in_flight(self) -> None:
+        """Under the lock: the round's groups not delivered go back to the buffer, to be generated on."""
+        for group in self._in_flight:
+            self.buffer.put(group, "pending")
+        self._in_flight = []
 
     def _completes_a_waiting_batch(self, ended: int) -> bool:
         """Whether ``ended`` more groups would let a waiting get_batch return (then they go now, not
