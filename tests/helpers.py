@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import fsspec
-import pyarrow.parquet as pq
 
 from trellis.engine.config.loading import load_config
+from trellis.engine.parquet_reads import read_parquet
 
 
 def tiny_config(tiny_model, reverse_data, work_dir, **changes):
@@ -92,8 +92,7 @@ def lake_rows(config, split: str = "train") -> list[dict[str, Any]]:
     fs.invalidate_cache()
     rows = []
     for path in sorted(fs.glob(f"{root}/step=*/part-0.parquet")):
-        with fs.open(path, "rb") as handle:
-            rows.extend(pq.read_table(handle).to_pylist())
+        rows.extend(read_parquet(fs, path).to_pylist())
     for row in rows:
         for name in ("run", "flow_run_id", "checkpoint"):
             row.pop(name)

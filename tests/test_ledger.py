@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.run.local import LocalRun
 from trellis.engine.storage.ledger import EXACTLY_ONCE
 from trellis.engine.storage.ledger_check import check_ledger
@@ -51,8 +52,7 @@ def ledger_rows(config, table: str = "groups") -> list[dict]:
     fs, root = fsspec.core.url_to_fs(f"{config.run_uri}/ledger/{table}", **config.storage_options)
     rows = []
     for path in sorted(fs.glob(f"{root}/step=*/part-0.parquet")):
-        with fs.open(path, "rb") as handle:
-            rows += pq.read_table(handle).to_pylist()
+        rows += read_parquet(fs, path).to_pylist()
     return rows
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow.parquet as pq
 
 from trellis.engine.config import DatasetConfig
 from trellis.engine.data.hf_datasets import hf_rows
 from trellis.engine.errors import DatasetError
+from trellis.engine.parquet_reads import iter_parquet_rows
 from trellis.engine.vision.images import ImageError, PromptImage, image_sources, load_image
 from trellis.engine.vision.processor import VisionProcessor
 
@@ -116,26 +116,29 @@ def _file_rows(config: DatasetConfig, report: SkipReport):
         file_format = _format_of(path, config)
         if file_format is None:
             raise DatasetError(f"Cannot tell the format of {path}: use .parquet or .jsonl, or set format.")
-        with fs.open(path, "rb") as handle:
-            if file_format == "parquet":
-                for batch in pq.ParquetFile(handle).iter_batches():
-                    for row in batch.to_pylist():
-                        report.rows_read += 1
-                        yield row
-            else:
-                for line_number, line in enumerate(handle, start=1):
-                    if not line.strip():
-                        continue
-                    report.rows_read += 1
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        report.skip("invalid JSON", f"{path}:{line_number}: {error.msg}")
-                        continue
-                    if not isinstance(row, dict):
-                        report.skip("not an object", f"{path}:{line_number}")
-                        continue
-                    yield row
+        rows = iter_parquet_rows(fs, path) if file_format == "parquet" else _jsonl_rows(fs, path, report)
+        for row in rows:
+            report.rows_read += 1
+            yield row
+
+
+def _jsonl_rows(fs, path: str, report: SkipReport):
+    """The objects of a JSONL file; a line that is not one is skipped with its reason (it still counts as read)."""
+    with fs.open(path, "rb") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                report.rows_read += 1
+                report.skip("invalid JSON", f"{path}:{line_number}: {error.msg}")
+                continue
+            if not isinstance(row, dict):
+                report.rows_read += 1
+                report.skip("not an object", f"{path}:{line_number}")
+                continue
+            yield row
 
 
 def _format_of(path: str, config: DatasetConfig) -> str | None:

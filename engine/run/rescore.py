@@ -14,10 +14,10 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trellis.engine.config import RewardConfig
 from trellis.engine.data.samples import Status
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.storage.lake import SCHEMA, LakeError, from_row, partition_uri, stored_steps, write_part
 from trellis.engine.storage.store import Store
@@ -82,9 +82,7 @@ def rescore_run(
 
 def _read_rows(uri: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     fs, path = fsspec.core.url_to_fs(uri, **options)
-    with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, use_threads=False)  # threaded reads of a file object can abort at exit (apache/arrow#34314)
-    rows = table.to_pylist()
+    rows = read_parquet(fs, path).to_pylist()
     for row in rows:  # partitions written before a column existed read back without it
         for name in SCHEMA.names:
             row.setdefault(name, None)

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from trellis.engine.data.samples import RolloutSample, Status
 from trellis.engine.moe.codec import decode, encode
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.lake_images import IMAGE_TYPE, fetched, image_cells, images_of, messages_of, prompt_cells, store_inline_images
 from trellis.engine.storage.store import Store
 
@@ -182,8 +183,7 @@ def read_groups(run: Store, split: str, step: int) -> list[list[RolloutSample]]:
     fs, path = Store(uri, run.options).fs()
     if not fs.exists(path):
         raise LakeError(f"No stored batch for step {step}: {uri} does not exist.")
-    with fs.open(path, "rb") as handle:
-        rows = pq.read_table(handle).to_pylist()
+    rows = read_parquet(fs, path).to_pylist()
     groups: dict[str, list[RolloutSample]] = {}
     for row in sorted(rows, key=lambda r: r["rollout_id"]):
         sample = from_row(row)

@@ -17,9 +17,10 @@ import duckdb
 import fsspec
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
-from pyarrow.fs import FSSpecHandler, PyFileSystem
+import pyarrow.fs as pafs
+from fsspec.implementations.local import LocalFileSystem
 
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.checkpoints import SaveStore
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.lake import stored_steps
@@ -183,9 +184,17 @@ def _dataset(fs: fsspec.AbstractFileSystem, root: str, parts: list[str], partiti
     options = ds.FileSystemFactoryOptions(partition_base_dir=root)
     if partitions:
         options.partitioning = ds.partitioning(pa.schema(list(partitions)), flavor="hive")
-    factory = ds.FileSystemDatasetFactory(PyFileSystem(FSSpecHandler(fs)), parts, ds.ParquetFileFormat(), options)
+    factory = ds.FileSystemDatasetFactory(_arrow_filesystem(fs), parts, ds.ParquetFileFormat(), options)
     # Every part's schema, not the first one's: parts written before a column was added lack it.
     return factory.finish(factory.inspect(promote_options="permissive", fragments=None))
+
+
+def _arrow_filesystem(fs: fsspec.AbstractFileSystem) -> pafs.FileSystem:
+    """Arrow's own filesystem for a local run: through a Python one (object storage), Arrow's threads call
+    into the interpreter and can abort it at its exit (engine.parquet_reads)."""
+    if isinstance(fs, LocalFileSystem):
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
 def _one_line(error: duckdb.Error, views: dict[str, ds.Dataset]) -> str:
@@ -211,11 +220,7 @@ def show_step(ref: RunRef, step: int, split: str = "train", limit: int | None = 
     if not fs.exists(part):
         raise RunNotFoundError(_missing_step(ref, fs, path, split, step))
     columns = ["group_id", "prompt", "label", "response", "reward", "status", "finish_reason"]
-    with fs.open(part, "rb") as handle:
-        stored = pq.read_schema(handle).names
-        handle.seek(0)
-        # Threads reading a Python file object can abort the interpreter at its exit (apache/arrow#34314).
-        rows = pq.read_table(handle, columns=columns + ["images"] * ("images" in stored), use_threads=False).to_pylist()
+    rows = read_parquet(fs, part, columns=columns + ["images"]).to_pylist()
     groups: set[str] = set()
     shown = []
     for row in rows:

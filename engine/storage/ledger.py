@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trellis.engine.data.samples import RolloutSample
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.lake import write_part, write_table
 from trellis.engine.storage.store import Store
 
@@ -172,8 +172,7 @@ def written_epochs(store: Store, sampler: str) -> set[int]:
 
 def read_universe(store: Store, sampler: str, epoch: int) -> list[int]:
     """``sampler``'s prompt indices of ``epoch`` in draw order, from the run ``store``."""
-    with Store(universe_uri(store.uri, sampler, epoch), store.options).open("rb") as handle:
-        table = pq.read_table(handle, columns=["position", "prompt_index"], use_threads=False)
+    table = read_parquet(*Store(universe_uri(store.uri, sampler, epoch), store.options).fs(), columns=["position", "prompt_index"])
     return [index for _, index in sorted(zip(table["position"].to_pylist(), table["prompt_index"].to_pylist()))]
 
 

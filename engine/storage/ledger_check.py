@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow.parquet as pq
 
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.ledger import ENDING, STATUSES
 from trellis.engine.storage.store import Store
 
@@ -124,17 +124,14 @@ def _read_parts(fs: fsspec.AbstractFileSystem, root: str, table: str) -> list[di
     # groups: a step's own part-0, and the rows a rollback ended in its later parts (engine.storage.rollbacks)
     parts = "part-*.parquet" if table == "groups" else "part-0.parquet"
     for path in sorted(fs.glob(f"{root}/{table}/step=*/{parts}")):
-        with fs.open(path, "rb") as handle:
-            # Threads reading a Python file object can abort the interpreter at its exit (apache/arrow#34314).
-            rows += pq.read_table(handle, use_threads=False).to_pylist()
+        rows += read_parquet(fs, path).to_pylist()
     return rows
 
 
 def _read_universes(fs: fsspec.AbstractFileSystem, root: str) -> dict[tuple[str, int], list[int]]:
     universes: dict[tuple[str, int], list[int]] = {}
     for path in sorted(fs.glob(f"{root}/universe/*/epoch-*.parquet")):
-        with fs.open(path, "rb") as handle:
-            rows = pq.read_table(handle, use_threads=False).to_pylist()
+        rows = read_parquet(fs, path).to_pylist()
         if rows:
             key = (rows[0]["sampler"], rows[0]["epoch"])
             universes[key] = [row["prompt_index"] for row in sorted(rows, key=lambda row: row["position"])]

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.checkpoints import (
     CheckpointError,
     SaveStore,
@@ -235,7 +235,6 @@ def rolled_back_branches(run: Store, *, after: int, before: int) -> list[Link]:
 def trace_sample(run: Store, rollout_id: str) -> dict[str, Any]:
     """One trajectory row's lineage: its split and step, policy version, checkpoint and flow run."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from trellis.engine.storage.lake import LakeError
 
@@ -243,14 +242,11 @@ def trace_sample(run: Store, rollout_id: str) -> dict[str, Any]:
     fs, path = run.join("trajectories").fs()
     if not fs.exists(path):
         raise LakeError(f"{run_uri} has no trajectories.")
-    # One file at a time through fsspec, on this thread: a pyarrow dataset over a Python filesystem
-    # lets Arrow's threads call into the interpreter and aborted ~1 exit in 6 (apache/arrow#34314).
+    # One file at a time through fsspec (engine.parquet_reads): a pyarrow dataset over a Python
+    # filesystem lets Arrow's threads call into the interpreter and aborted ~1 exit in 6 (apache/arrow#34314).
     rows = []
     for part in sorted(fs.glob(f"{path}/split=*/step=*/*.parquet")):
-        with fs.open(part, "rb") as handle:
-            file = pq.ParquetFile(handle)
-            wanted = [c for c in _TRACED_COLUMNS if c in file.schema_arrow.names]
-            table = file.read(columns=wanted, use_threads=False)
+        table = read_parquet(fs, part, columns=_TRACED_COLUMNS)
         table = table.filter(pc.equal(table["rollout_id"], rollout_id))
         split, step = _PARTITION.search(part).groups()
         rows += [{"split": split, "step": int(step), **row} for row in table.to_pylist()]

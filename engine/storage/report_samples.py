@@ -9,8 +9,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.parquet as pq
-
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.lake import partition_uri, stored_steps
 from trellis.engine.storage.lake_images import fetched, images_of
 from trellis.engine.storage.store import Store
@@ -34,8 +33,7 @@ def sample_pictures(run: Store, limit: int = 6) -> list[SamplePicture]:
         return []
     step = steps[-1]
     fs, path = Store(f"{partition_uri(run.uri, 'train', step)}/part-0.parquet", run.options).fs()
-    with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, use_threads=False)
+    table = read_parquet(fs, path)
     if "images" not in table.schema.names:
         return []
     groups: dict[str, list[dict[str, Any]]] = {}

@@ -22,8 +22,8 @@ import json
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from trellis.engine.parquet_reads import read_parquet
 from trellis.engine.storage.lake import write_part
 from trellis.engine.storage.lake_query import GOODPUT_PREFIX
 from trellis.engine.storage.ledger import GROUPS
@@ -89,8 +89,7 @@ def set_aside(run: Store, rollback: int, steps: list[int], *, skip_batches: bool
 
 
 def _end_as_rolled_back(run: Store, step: int, part: str, fs) -> None:
-    with fs.open(part, "rb") as handle:
-        rows = pq.read_table(handle, use_threads=False).to_pylist()
+    rows = read_parquet(fs, part).to_pylist()
     # Every row stays (a filtered group's prompt is ended as before); the trained ones end as rolled back.
     ended = [{**row, "status": ROLLED_BACK, "reason": "trained in a step the stability guard rolled back"}
              if row["status"] == "trained" else row for row in rows]
