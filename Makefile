@@ -24,7 +24,7 @@ run: setup build/tiny/config.json
 	$(BIN)/trellis train configs/tiny_reverse.yaml
 
 test: setup
-	$(BIN)/pytest -q -n 2 --dist loadfile  # two processes, a test module each at a time (pytest-xdist)
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder  # two processes, a module each at a time, in conftest's order
 
 bench: setup
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[bench]"
