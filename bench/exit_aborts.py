@@ -3,11 +3,16 @@ interpreters for each reading, alternated, on the same 10 hive parts of 64 rows.
 
 - ``dataset``: a pyarrow dataset over fsspec (``PyFileSystem(FSSpecHandler(fs))``), filtered, single
   threaded, as ``trellis lineage --sample`` read before 2026-12-03;
-- ``trace_sample``: engine.storage.lineage.trace_sample, which reads one part at a time through fsspec.
+- ``file_object``: each part through an fsspec file object handed to ``pq.read_table(use_threads=False)``,
+  as ``trellis ledger check`` and the other lake readers did before 2026-12-05 (CI saw one abort);
+- ``trace_sample``: engine.storage.lineage.trace_sample, which reads one part at a time through
+  engine.parquet_reads (the bytes copied into Arrow's memory first).
 
 A run counts as aborted when its return code is negative (SIGABRT) after it printed its answer.
+``--load N`` keeps N busy-looping processes running beside the readings, as a loaded CI machine has:
+the aborts are a race at interpreter exit, rarer on an idle machine.
 
-    .venv/bin/python bench/exit_aborts.py [--runs 60] [--out bench/results/exit_aborts.json]
+    .venv/bin/python bench/exit_aborts.py [--runs 60] [--load 0] [--out bench/results/exit_aborts.json]
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ dataset = ds.dataset(path, filesystem=PyFileSystem(FSSpecHandler(fs)), format="p
 print(dataset.to_table(columns=["split", "step"], filter=ds.field("rollout_id") == sys.argv[2], use_threads=False).to_pylist())
 """
 
+FILE_OBJECT = """
+import sys, fsspec, pyarrow.parquet as pq, torch
+fs, path = fsspec.core.url_to_fs(sys.argv[1] + "/trajectories")
+rows = []
+for part in sorted(fs.glob(path + "/split=*/step=*/part-0.parquet")):
+    with fs.open(part, "rb") as handle:
+        rows += pq.read_table(handle, use_threads=False).to_pylist()
+print([row["policy_version"] for row in rows if row["rollout_id"] == sys.argv[2]])
+"""
+
 TRACE_SAMPLE = """
 import sys
 from trellis.engine.storage.lineage import trace_sample
@@ -52,18 +67,26 @@ def write_lake(run: Path) -> str:
     return ids[0]
 
 
-def main(runs: int = 60, out: Path = ROOT / "bench" / "results" / "exit_aborts.json") -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        rollout_id = write_lake(run)
-        aborted = {"dataset": 0, "trace_sample": 0}
-        for _ in range(runs):
-            for name, code in (("dataset", DATASET), ("trace_sample", TRACE_SAMPLE)):
-                done = subprocess.run([sys.executable, "-c", code, str(run), rollout_id], cwd=ROOT, capture_output=True, text=True)
-                if done.returncode > 0:
-                    raise SystemExit(f"{name} failed: {done.stderr[-2000:]}")
-                aborted[name] += done.returncode < 0
-    result = {"runs_each": runs, "aborted": aborted}
+READINGS = {"dataset": DATASET, "file_object": FILE_OBJECT, "trace_sample": TRACE_SAMPLE}
+
+
+def main(runs: int = 60, load: int = 0, out: Path = ROOT / "bench" / "results" / "exit_aborts.json") -> None:
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = Path(tmp) / "run"
+            rollout_id = write_lake(run)
+            aborted = dict.fromkeys(READINGS, 0)
+            for _ in range(runs):
+                for name, code in READINGS.items():
+                    done = subprocess.run([sys.executable, "-c", code, str(run), rollout_id], cwd=ROOT, capture_output=True, text=True)
+                    if done.returncode > 0:
+                        raise SystemExit(f"{name} failed: {done.stderr[-2000:]}")
+                    aborted[name] += done.returncode < 0
+    finally:
+        for process in busy:
+            process.kill()
+    result = {"runs_each": runs, "busy_processes_beside": load, "aborted": aborted}
     print(json.dumps(result))
     out.write_text(json.dumps(result, indent=2) + "\n")
 
