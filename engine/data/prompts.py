@@ -116,8 +116,10 @@ def _file_rows(config: DatasetConfig, report: SkipReport):
         file_format = _format_of(path, config)
         if file_format is None:
             raise DatasetError(f"Cannot tell the format of {path}: use .parquet or .jsonl, or set format.")
-        rows = iter_parquet_rows(fs, path) if file_format == "parquet" else _jsonl_rows(fs, path, report)
-        for row in rows:
+        if file_format == "jsonl":
+            yield from _jsonl_rows(fs, path, report)
+            continue
+        for row in iter_parquet_rows(fs, path):
             report.rows_read += 1
             yield row
 
@@ -128,14 +130,13 @@ def _jsonl_rows(fs, path: str, report: SkipReport):
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
+            report.rows_read += 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                report.rows_read += 1
                 report.skip("invalid JSON", f"{path}:{line_number}: {error.msg}")
                 continue
             if not isinstance(row, dict):
-                report.rows_read += 1
                 report.skip("not an object", f"{path}:{line_number}")
                 continue
             yield row
