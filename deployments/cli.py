@@ -337,5 +337,12 @@ def _not_a_prefect_run_record(record: logging.LogRecord) -> bool:
     return not record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
 
 
+def main() -> None:
+    """The ``trellis`` console script: the commands, then a quick exit (``deployments.quick_exit``)."""
+    from trellis.deployments.quick_exit import run_then_exit
+
+    run_then_exit(app)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -95,6 +95,18 @@ def answer_chance(model_dir: Path, prompts: list[tuple[str, str]], temperature: 
     return total / len(prompts)
 
 
+def prefect_servers_of(prefect_home: str) -> list[int]:
+    """The temporary Prefect servers (uvicorn processes) running with ``prefect_home``."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if "uvicorn" in " ".join(process.info["cmdline"] or []) and process.environ().get("PREFECT_HOME") == prefect_home:
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def lake_rewards(project: Path, experiment: str = "sort_letters") -> dict[int, list[float]]:
     table = ds.dataset(project / "runs" / experiment / "trajectories" / "split=train", partitioning="hive").to_table()
     rewards: dict[int, list[float]] = {}
@@ -137,10 +149,15 @@ def test_a_project_with_its_own_tasks_engine_and_flows_packages_trains_on_a_live
     (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
     trained = run("train", "my.yaml", cwd=tmp_path, env=live_cluster["env"])
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert trained.stdout.splitlines()[-1].startswith("tensorboard:")  # the command's last line reached the console
 
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "same_names" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["step"] > 0] == [1, 2]
     assert lake_rewards(tmp_path, "same_names") == {1: [0.375] * 16, 2: [0.375] * 16}
+    # The command leaves without the interpreter's teardown (deployments/quick_exit.py), yet its exit
+    # hooks ran: the temporary Prefect server it started is stopped. Tried: ending with os._exit alone
+    # leaves that server running, holding the command's output open, and `run` fails at its timeout.
+    assert not prefect_servers_of(live_cluster["env"]["PREFECT_HOME"])
 
 
 def test_a_users_moe_policy_trains_asynchronously_with_routing_replay_on_a_live_cluster(tmp_path, reverse_data, live_cluster):
