@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import _free_port
-from trellis.engine.cluster.head import auth_token_file, recorded_address, start_head, stop_head
+from trellis.engine.cluster.head import ClusterError, auth_token_file, recorded_address, resolve_address, start_head, stop_head
 from trellis.engine.config import ClusterConfig
 
 CONNECTED = "connected, and ran a task:"
@@ -81,3 +81,22 @@ def test_the_token_file_is_the_owner_s_alone_and_every_port_is_loopback(private_
     listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids}
     assert ("::ffff:127.0.0.1", cluster.head_port) in listening or ("127.0.0.1", cluster.head_port) in listening, listening
     assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in listening), listening
+
+
+def test_a_run_attaches_to_the_recorded_head_only_while_it_runs(private_head, tmp_path, monkeypatch):
+    """A run finds the head recorded under cluster.home without asking `ray status`: its process lives
+    and its port listens. Tried: the live head (found); a record whose process has exited (a head
+    killed without `trellis cluster down`), and one whose process lives but whose port nobody listens
+    on; neither is taken for a head: with start_if_missing off, each is refused with ClusterError."""
+    cluster, address = private_head
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # an address given outright is taken as it is
+    assert resolve_address(cluster, start_if_missing=False) == address
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    for pid, port in ((ended.pid, cluster.head_port), (os.getpid(), _free_port())):
+        home = tmp_path / f"home-{pid}"
+        home.mkdir()
+        (home / "ray-head.json").write_text(json.dumps({"address": f"127.0.0.1:{port}", "pid": pid}))
+        with pytest.raises(ClusterError, match="No Ray cluster is running"):
+            resolve_address(ClusterConfig(home=str(home), head_port=port), start_if_missing=False)

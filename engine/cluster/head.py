@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -169,11 +170,28 @@ def resolve_address(config: ClusterConfig, *, start_if_missing: bool = True) -> 
         if address:
             return address
     address = recorded_address(config)
-    if address and is_alive(address, config):
+    if address and _recorded_head_answers(config, address):
         return address
     if not start_if_missing:
         raise ClusterError("No Ray cluster is running; start one with `trellis cluster up`.")
     return start_head(config)
+
+
+def _recorded_head_answers(config: ClusterConfig, address: str) -> bool:
+    """Whether the head recorded under ``cluster.home`` still runs: its ``ray start --block`` process
+    lives and its GCS port takes a connection. Asked at every run's start, where ``ray status`` (a new
+    Python process, ~2 s) would say the same; a record without the process (before trellis 0.2) asks it."""
+    pid = _record(config).get("pid")
+    if pid is None:
+        return is_alive(address, config)
+    if _exited(pid):
+        return False
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 def connect(config: ClusterConfig) -> str:
