@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from trellis.engine.cluster.compat import upload_package
+from trellis.engine.cluster.environment_probe import EnvironmentReport, inspect_environment
 from trellis.engine.cluster.head import connect
 from trellis.engine.config import TrellisConfig
 from trellis.engine.run.code_bundle import CodeBundle, shipped_code
 from trellis.engine.run.identity import trellis_code
 from trellis.engine.run.plan import Role
-from trellis.engine.run.preflight import InputError, UserCodeCheck, user_code_checks, user_code_problems
+from trellis.engine.run.preflight import InputError
+from trellis.engine.run.user_code_checks import user_code_checks
 
 
 class ClusterEnvironmentError(RuntimeError):
@@ -42,18 +43,6 @@ def worker_runtime_env(config: TrellisConfig, bundle: CodeBundle | None, role: R
     return env or None
 
 
-@dataclass(frozen=True)
-class EnvironmentReport:
-    trellis: str
-    python: str
-    problems: tuple[str, ...]
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _inspect(checks: tuple[UserCodeCheck, ...]) -> EnvironmentReport:
-    return EnvironmentReport(trellis_code(), sys.executable, tuple(user_code_problems(checks)))
-
-
 _checked: set[tuple[str, ...]] = set()  # (cluster, trellis, runtime_env, functions) this process found fine
 
 
@@ -71,7 +60,7 @@ def check_worker_environment(config: TrellisConfig, bundle: CodeBundle | None, a
     key = (address, trellis_code(), json.dumps(runtime_env, sort_keys=True), repr(user_code_checks(config)))
     if key in _checked:
         return
-    probe = _inspect.options(runtime_env=runtime_env) if runtime_env else _inspect
+    probe = inspect_environment.options(runtime_env=runtime_env) if runtime_env else inspect_environment
     report: EnvironmentReport = ray.get(probe.remote(user_code_checks(config)), timeout=config.cluster.ray_get_timeout_s)
     if report.trellis != trellis_code():
         raise ClusterEnvironmentError(

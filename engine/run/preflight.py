@@ -5,7 +5,6 @@ run is launched from), and the code the workers would receive can be shipped."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig
@@ -15,11 +14,10 @@ from trellis.engine.vision.models import policy_auto_class
 from trellis.engine.errors import SettingError
 from trellis.engine.moe.checks import moe_setting_problems
 from trellis.engine.moe.routers import config_moe_shape
-from trellis.engine.rollout.rewards.runner import resolve_function
 from trellis.engine.run.code_bundle import CodeBundleError, launch_directory, shipped_code
 from trellis.engine.storage.store import Store
 from trellis.engine.train.lora import linear_names, unmatched_problem, unmatched_targets
-from trellis.engine.user_code import UserCodeError, load_attribute, load_function
+from trellis.engine.run.user_code_checks import user_code_checks, user_code_problems
 
 
 class InputError(SettingError):
@@ -52,37 +50,12 @@ def check_inputs(config: TrellisConfig) -> None:
         raise InputError("Cannot start the run:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-UserCodeCheck = tuple[str, str, str]  # (config key, spec, kind: reward / object / function)
-_LOADERS = {"reward": resolve_function, "object": load_attribute, "function": load_function}
-
-
-def user_code_checks(config: TrellisConfig) -> tuple[UserCodeCheck, ...]:
-    """What the config names in user code, and what each must be."""
-    checks = [("reward", spec, "reward") for reward in config.rewards for spec in (reward.function, *reward.by_data_source.values())]
-    checks += [("agent.tools", agent.tools, "object") for agent in config.agents if agent.tools is not None]
-    checks += [("agent.entrypoint", agent.entrypoint, "function") for agent in config.agents if agent.entrypoint is not None]
-    checks += [(key, spec, "function") for key, spec in (("dynamic_sampling.group_filter", config.dynamic_sampling.group_filter),
-                                                         ("eval_metric", config.eval_metric)) if spec]
-    return tuple(dict.fromkeys(checks))
-
-
 def _datasets(config: TrellisConfig) -> list[tuple[str, DatasetConfig]]:
     if not config.tasks:
         found = [("train_dataset", config.train_dataset), ("eval_dataset", config.eval_dataset)]
     else:
         found = [(f"tasks[{t.name}].{key}", getattr(t, key)) for t in config.tasks for key in ("train_dataset", "eval_dataset")]
     return [(name, dataset) for name, dataset in found if dataset is not None]
-
-
-def user_code_problems(checks: tuple[UserCodeCheck, ...], base_dir: str | Path | None = None) -> list[str]:
-    """Each check imported as the workers will (from ``base_dir``, default the current directory)."""
-    problems = []
-    for name, spec, kind in checks:
-        try:
-            _LOADERS[kind](spec, base_dir)
-        except UserCodeError as error:
-            problems.append(f"{name}: {error}")
-    return problems
 
 
 def _policy_problems(config: TrellisConfig) -> list[str]:
