@@ -9,6 +9,7 @@ import torch
 
 from trellis.engine.config import TrellisConfig
 from trellis.engine.config.backends import backend_traits
+from trellis.engine.errors import SettingError
 from trellis.engine.secrets import install_log_redaction
 
 
@@ -34,10 +35,17 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def worker_threads(config: TrellisConfig, side: str | None = None) -> int:
-    """torch threads of a worker: ``cluster.torch_threads``, else, for a side of a disaggregated run on
-    CPU, the CPUs that side holds (the two sides compute at the same time), else every core."""
+    """torch threads of a worker: ``cluster.torch_threads``, else ``TRELLIS_TORCH_THREADS`` where the
+    worker runs (a machine whose cores several runs share at once, as the test suite's), else, for a
+    side of a disaggregated run on CPU, the CPUs that side holds (the two sides compute at the same
+    time), else every core."""
     if config.cluster.torch_threads:
         return config.cluster.torch_threads
+    threads = os.environ.get("TRELLIS_TORCH_THREADS", "")
+    if threads:
+        if not threads.isdigit() or int(threads) < 1:
+            raise SettingError(f"TRELLIS_TORCH_THREADS={threads!r}: give a whole number of threads, 1 or more.")
+        return int(threads)
     if config.disaggregated and side is not None and resolve_device(config.train_worker.device).type == "cpu":
         resources = config.train_resources if side == "train" else config.rollout_resources
         return max(1, int(resources.accelerators_per_worker))

@@ -183,3 +183,23 @@ def test_runtime_envs_take_no_secrets_and_no_code():
           rollout={"runtime_env": {"env_vars": {"AWS_SECRET_ACCESS_KEY": "k"}}})
     check("cluster.runtime_env sets ['working_dir']", cluster={"runtime_env": {"working_dir": "."}})
     assert load_config(None, **BASE, cluster={"runtime_env": {"pip": ["sympy"], "env_vars": {"OMP_NUM_THREADS": "1"}}})
+
+
+def test_worker_threads_follow_the_setting_then_the_machine_s_variable_then_the_cores(monkeypatch):
+    """cluster.torch_threads wins; without it TRELLIS_TORCH_THREADS (the test suite sets 1: its two
+    processes share 2 cores); without both, every core. Tried: 0, -1 and 'two' in the variable, each
+    refused with a SettingError that names it."""
+    import os
+
+    from trellis.engine.devices import worker_threads
+    from trellis.engine.errors import SettingError
+
+    monkeypatch.setenv("TRELLIS_TORCH_THREADS", "3")
+    assert worker_threads(load_config(None, **BASE, cluster={"torch_threads": 5})) == 5
+    assert worker_threads(load_config(None, **BASE)) == 3
+    monkeypatch.delenv("TRELLIS_TORCH_THREADS")
+    assert worker_threads(load_config(None, **BASE)) == (os.cpu_count() or 1)
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("TRELLIS_TORCH_THREADS", bad)
+        with pytest.raises(SettingError, match=f"TRELLIS_TORCH_THREADS='{bad}'"):
+            worker_threads(load_config(None, **BASE))

@@ -29,7 +29,10 @@ class ClusterConfig(Frozen):
         description="Fraction of a GPU that each GPU worker (trainer, rollout) asks Ray for; default: the run's GPU "
         "workers split one GPU (colocated, weights synced through CUDA IPC).",
     )
-    torch_threads: int | None = Field(None, gt=0, description="torch threads per worker; default: all cores.")
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch threads per worker; default: TRELLIS_TORCH_THREADS where the worker runs (a machine "
+        "whose cores several runs share at once), else all cores.",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="How Ray places the bundles of a placement group (one per trainer rank or rollout worker): "
