@@ -31,7 +31,7 @@ def run_then_exit(main: Callable[[], object]) -> None:
 
         traceback.print_exc()
         code = 1
-    threading._shutdown()  # what Python does first at exit: wait for the threads that are not daemons
+    getattr(threading, "_shutdown", lambda: None)()  # what Python does first at exit: wait for the threads that are not daemons
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
