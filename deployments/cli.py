@@ -73,18 +73,12 @@ def cluster_up(
     home: HomeOption = "~/.trellis",
 ) -> None:
     """Start a local Ray head that outlives this command."""
-    from trellis.engine.cluster.head import (
-        ClusterError,
-        auth_token_file,
-        is_alive,
-        recorded_address,
-        start_head,
-    )
+    from trellis.engine.cluster.head import ClusterError, auth_token_file, running_head, start_head
     from trellis.engine.config import ClusterConfig
 
     cluster = ClusterConfig(head_port=port, num_cpus=num_cpus, home=home)
-    address = recorded_address(cluster)
-    if address and is_alive(address, cluster):
+    address = running_head(cluster)
+    if address:
         typer.echo(f"already running at {address}")
         return
     try:

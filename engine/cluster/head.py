@@ -169,29 +169,33 @@ def resolve_address(config: ClusterConfig, *, start_if_missing: bool = True) -> 
     for address in (config.address, os.environ.get("RAY_ADDRESS")):
         if address:
             return address
-    address = recorded_address(config)
-    if address and _recorded_head_answers(config, address):
+    address = running_head(config)
+    if address:
         return address
     if not start_if_missing:
         raise ClusterError("No Ray cluster is running; start one with `trellis cluster up`.")
     return start_head(config)
 
 
-def _recorded_head_answers(config: ClusterConfig, address: str) -> bool:
-    """Whether the head recorded under ``cluster.home`` still runs: its ``ray start --block`` process
-    lives and its GCS port takes a connection. Asked at every run's start, where ``ray status`` (a new
-    Python process, ~2 s) would say the same; a record without the process (before trellis 0.2) asks it."""
-    pid = _record(config).get("pid")
+def running_head(config: ClusterConfig) -> str | None:
+    """The address of the head recorded under ``cluster.home`` while it runs: its ``ray start --block``
+    process lives and its GCS port takes a connection. Asked at every run's start, where ``ray status``
+    (a new Python process, ~2 s) would say the same; a record without the process (before trellis 0.2)
+    asks it."""
+    record = _record(config)
+    address, pid = record.get("address"), record.get("pid")
+    if not address:
+        return None
     if pid is None:
-        return is_alive(address, config)
+        return address if is_alive(address, config) else None
     if _exited(pid):
-        return False
+        return None
     host, port = address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=5):
-            return True
+            return address
     except OSError:
-        return False
+        return None
 
 
 def connect(config: ClusterConfig) -> str:
