@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trellis.engine.errors import SettingError
 from trellis.engine.rollout.backends.base import FinishReason, Generation, SamplingParams, StreamingBackend, prompt_images
+from trellis.engine.rollout.backends.vllm_logprob_tap import SampledLogprobTap
 from trellis.engine.vision.positions import collapse_image_placeholders
 from trellis.engine.vision.processor import VisionProcessor
 
@@ -44,13 +45,16 @@ class VllmRollout(StreamingBackend):
         seed: int = 0,
         capture_routing: bool = False,
         quantization: str = "none",
+        logprob_tap: bool = True,
     ) -> None:
         """``capture_routing``: ask vLLM (0.26+) for each request's routed experts
         (``enable_return_routed_experts``) and hand them back per response token (run on an H200: bench/RESULTS.md section 7).
         ``quantization``: "fp8" quantizes the checkpoint's weights at load, and every
         ``load_weights`` again (``_reload_quantized``).
         ``sleep_level`` 0: an engine that never leaves the GPU, built without vLLM's sleep mode
-        (whose allocator allows one engine per process); ``offload`` is then a no-op."""
+        (whose allocator allows one engine per process); ``offload`` is then a no-op.
+        ``logprob_tap``: read the sampled tokens' logprobs at vLLM's sampler (``SampledLogprobTap``)
+        where this vLLM allows it, instead of asking for them per request (False: always ask)."""
         if quantization != "none" and (reason := fp8_unavailable()) is not None:
             raise SettingError(f"rollout.quantization: {quantization} cannot run here: {reason}. Set quantization: none.")
         from vllm import LLM
@@ -83,6 +87,9 @@ class VllmRollout(StreamingBackend):
             logprobs_mode="processed_logprobs",
             **routing,
         )
+        # Positions of a vision prompt shift as vLLM expands its images: those ask vLLM for logprobs.
+        tap_allowed = logprob_tap and self._vision is None and os.environ.get("TRELLIS_VLLM_LOGPROB_TAP", "1") != "0"
+        self._tap = _sampled_logprob_tap(self._llm) if tap_allowed else None
 
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, limits: Sequence[int] | None = None
@@ -93,8 +100,9 @@ class VllmRollout(StreamingBackend):
 
         Requests ask for their output only when they end (``FINAL_ONLY``, as ``LLM.generate`` does): an
         output per running request per engine step, looped over here, cost the rollout 17-24% on an
-        H200. An aborted request's tokens and logprobs so far are read from vLLM's own record of it
-        before the abort drops that record (``_partial``)."""
+        H200; the sampled tokens' logprobs are read at vLLM's sampler where it allows (``_tapped``), as
+        asking for them per request cost another third. An aborted request's tokens so far are read from vLLM's own record of it before the abort drops
+        that record (``_partial``)."""
         self.intake.refuse_if_held()
         if not prompts:
             return
@@ -112,7 +120,9 @@ class VllmRollout(StreamingBackend):
             limit = params.max_new_tokens if limits is None else limits[i]
             sampling = self._sampling(params, i, limit)
             internal_ids[request_id] = engine.add_request(request_id, self._request_prompt(prompt), sampling)
-        partial: dict[str, tuple[list[int], list[float], np.ndarray | None]] = {}
+        if self._tap is not None:
+            self._tap.register(internal_ids.values())
+        partial: dict[str, tuple[list[int], list[float], np.ndarray | None]] = {}  # aborted: tokens, logprobs, routing
         try:
             while index_of and engine.has_unfinished_requests():
                 self.last_step_s = time.monotonic()
@@ -123,14 +133,25 @@ class VllmRollout(StreamingBackend):
                     ids = list(completion.token_ids)
                     reason = _FINISH.get(completion.finish_reason or "", "length")
                     index = index_of.pop(output.request_id)
+                    logprobs = self._tapped(internal_ids[output.request_id], prompts[index], ids, completion.logprobs)
                     routed = self._response_routing(completion.routed_experts, len(prompts[index]), len(ids))
-                    yield index, self._generation(ids, _sampled_logprobs(ids, completion.logprobs), reason, routed)
+                    yield index, self._generation(ids, logprobs, reason, routed)
         finally:  # an abort, or a caller that stopped listening: the engine keeps nothing of this call
-            partial = {request_id: _partial(engine, internal_ids[request_id]) for request_id in index_of}
+            for request_id, index in index_of.items():
+                ids, logprobs, routed = _partial(engine, internal_ids[request_id])
+                partial[request_id] = ids, self._tapped(internal_ids[request_id], prompts[index], ids, logprobs), routed
             engine.abort_request(list(index_of))
+            if self._tap is not None:
+                self._tap.forget(internal_ids.values())
         for request_id, index in index_of.items():
             ids, logprobs, routed = partial[request_id]
             yield index, self._generation(ids, logprobs, "abort", self._response_routing(routed, len(prompts[index]), len(ids)))
+
+    def _tapped(self, internal_id: str, prompt: Sequence[int], ids: list[int], from_vllm) -> list[float]:
+        """The response's logprobs from the tap where it runs, else from vLLM's per-position entries."""
+        if self._tap is not None:
+            return self._tap.take(internal_id, len(prompt) - 1, len(ids))
+        return _sampled_logprobs(ids, from_vllm)
 
     def score_tokens(self, token_ids: Sequence[int]) -> list[float]:
         """vLLM's prompt logprobs at temperature 1 (raw and processed logprobs agree there)."""
@@ -187,7 +208,7 @@ class VllmRollout(StreamingBackend):
             stop_token_ids=list(params.stop_token_ids),
             # One seed per request: the samples of a group must differ, and repeat on a retry.
             seed=None if params.seed is None else (params.seed * 1_000_003 + index) % (2**31 - 1),
-            logprobs=0,
+            logprobs=None if self._tap is not None else 0,
             logit_bias=self._banned,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -238,13 +259,21 @@ class VllmRollout(StreamingBackend):
         return executor.driver_worker.worker.model_runner.get_model()
 
 
+def _sampled_logprob_tap(llm) -> SampledLogprobTap | None:
+    try:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+    except ImportError:  # a vLLM without the V2 model runner: ask for logprobs per request
+        return None
+    return SampledLogprobTap.install(llm, compute_token_logprobs)
+
+
 def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     """The sampled tokens' logprobs out of vLLM's per-position {token: Logprob} entries."""
     return [entry[token].logprob for token, entry in zip(token_ids, logprobs or [])]
 
 
-def _partial(engine, internal_id: str) -> tuple[list[int], list[float], np.ndarray | None]:
-    """An unfinished request's tokens, their logprobs and its routed experts so far, from the output
+def _partial(engine, internal_id: str) -> tuple[list[int], list | None, np.ndarray | None]:
+    """An unfinished request's tokens, vLLM's logprob entries and its routed experts so far, from the output
     processor's state of it (accumulated every step, whatever the output kind; read in vLLM 0.20, 0.26
     and 0.34, where an in-process ``abort_request`` returns no output). The routing (vLLM 0.26's
     ``routed_experts_chunks``, one chunk per engine step, as a finished request's output joins them) is
@@ -256,7 +285,7 @@ def _partial(engine, internal_id: str) -> tuple[list[int], list[float], np.ndarr
     logprobs = state.logprobs_processor.logprobs if state.logprobs_processor is not None else None
     chunks = getattr(state, "routed_experts_chunks", None)
     routed = np.concatenate([np.asarray(chunk) for chunk in chunks], axis=0) if chunks else None
-    return ids, _sampled_logprobs(ids, logprobs), routed
+    return ids, logprobs, routed
 
 
 def fp8_unavailable() -> str | None:
