@@ -52,7 +52,7 @@ def one_run(model_dir: str, train_path: str, attest: bool, warmup: int, steps: i
 def one_flow_run(model_dir: str, train_path: str, attest: bool, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/flow.json"
-        flag = [] if attest else ["no-attest"]
+        flag = ["attest" if attest else "no-attest"]
         subprocess.run([sys.executable, "bench/trellis_flow_step.py", model_dir, train_path, str(steps), out, *flag], check=True)
         with open(out) as handle:
             measured = json.load(handle)

@@ -1,11 +1,13 @@
 """trellis's full orchestrated step: Prefect flow runs driving Ray actors on a local head it starts.
 
-Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON [no-attest]
+Usage: python bench/trellis_flow_step.py MODEL_DIR TRAIN_PARQUET STEPS OUT_JSON [attest|no-attest]
 A first flow run of 3 steps warms the workers up and keeps them; a second flow run re-attaches and
 runs STEPS more, which are the ones measured: wall seconds between consecutive `rl_step` flow-run
 starts (everything the user waits for), CPU seconds of the whole process tree (Prefect's server and
 Ray's processes included), and the orchestration overhead: the part of each step interval in which
 no worker ran a method (Ray's timeline), i.e. the workers waited on Prefect and the driver.
+Weight-sync attestation follows the config's default (off where the rollout runs on CPU) unless the
+fifth argument says ``attest`` or ``no-attest`` (bench/attest_cost.py).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ async def step_starts(since_s: float) -> dict[int, float]:
     return starts
 
 
-def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool = True) -> None:
+def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool | None = None) -> None:
     head, address = start_head()
     try:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
@@ -116,4 +118,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool = T
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], attest=sys.argv[5:] != ["no-attest"])
+    choice = sys.argv[5] if len(sys.argv) > 5 else "default"
+    if choice not in ("attest", "no-attest", "default"):
+        raise SystemExit(f"the fifth argument is attest or no-attest, not {choice!r}")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], attest={"attest": True, "no-attest": False}.get(choice))
