@@ -101,8 +101,8 @@ class VllmRollout(StreamingBackend):
         Requests ask for their output only when they end (``FINAL_ONLY``, as ``LLM.generate`` does): an
         output per running request per engine step, looped over here, cost the rollout 17-24% on an
         H200; the sampled tokens' logprobs are read at vLLM's sampler where it allows (``_tapped``), as
-        asking for them per request cost another third. An aborted request's tokens so far are read from vLLM's own record of it before the abort drops
-        that record (``_partial``)."""
+        asking for them per request cost another third. An aborted request's tokens so far are read
+        from vLLM's own record of it before the abort drops that record (``_partial``)."""
         self.intake.refuse_if_held()
         if not prompts:
             return
