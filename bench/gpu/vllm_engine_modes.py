@@ -1,13 +1,14 @@
 """Where vLLM's rollout time goes in trellis's setting, on one GPU: the engine in the caller's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what trellis runs so that weights reach it as tensor references)
 against vLLM's default engine-core process, and, on each, the request options trellis sends (a seed per
-request, the sampled token's logprob) against requests without them (what TRL's colocated mode sends,
-less its logprobs).
+request, the sampled token's logprob) against requests without one or both (TRL's colocated mode asks
+for the logprob without a seed: ``no_seed``), and vLLM's flat logprobs container.
 
 Random-init Qwen2-0.5B shape, 256 prompts of 128 random tokens, 256 new tokens (``ignore_eos``), T=1;
 the engine built as trellis builds it (sleep mode, processed logprobs, no tokenizer). Each engine runs in
-a child process of its own, in the order in-process, multiprocess, multiprocess, in-process; inside a
-child the four request variants alternate (order reversed every other round), fresh prompts every call.
+a child process of its own, by default in the order in-process, multiprocess, multiprocess, in-process;
+inside a child the request variants (``VARIANTS``) alternate (order reversed every other round), fresh
+prompts every call.
 GPU busy is NVML's utilization sampled every 20 ms during each call.
 
     python bench/gpu/vllm_engine_modes.py OUT_DIR [--rounds 3] [--labels inproc_1,inproc_2]
