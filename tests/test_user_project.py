@@ -236,7 +236,7 @@ def test_a_users_own_task_trains_on_a_live_cluster_and_edited_code_is_used(proje
     the answer rises by more than 0.02, and greedy accuracy rises. Over seeds 1-7 that chance rose by
     +0.046 to +0.189 and greedy accuracy by +0.016 to +0.164 (this config's seed 7: 0.274 -> 0.463 and
     0.379 -> 0.543, the same on every run here while workers ran torch on 2 threads; the suite now gives
-them 1, see conftest). Tried: the policy loss zeroed in ``policy_objective``
+    them 1, see conftest). Tried: the policy loss zeroed in ``policy_objective``
     leaves both exactly where they were (0.2745 -> 0.2745: fails); flipped advantages, or rollouts that
     never load the new weights, drive both to ~0. Then the edited reward reaches the workers."""
     home, env = str(live_cluster["home"]), live_cluster["env"]

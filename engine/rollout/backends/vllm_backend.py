@@ -100,9 +100,10 @@ class VllmRollout(StreamingBackend):
 
         Requests ask for their output only when they end (``FINAL_ONLY``, as ``LLM.generate`` does): an
         output per running request per engine step, looped over here, cost the rollout 17-24% on an
-        H200; the sampled tokens' logprobs are read at vLLM's sampler where it allows (``_tapped``), as
-        asking for them per request cost another third. An aborted request's tokens so far are read
-        from vLLM's own record of it before the abort drops that record (``_partial``)."""
+        H200; the sampled tokens' logprobs are read at vLLM's sampler where it allows
+        (``_response_logprobs``), as asking for them per request cost another third. An aborted
+        request's tokens so far are read from vLLM's own record of it before the abort drops that
+        record (``_partial``)."""
         self.intake.refuse_if_held()
         if not prompts:
             return
@@ -133,13 +134,13 @@ class VllmRollout(StreamingBackend):
                     ids = list(completion.token_ids)
                     reason = _FINISH.get(completion.finish_reason or "", "length")
                     index = index_of.pop(output.request_id)
-                    logprobs = self._tapped(internal_ids[output.request_id], prompts[index], ids, completion.logprobs)
+                    logprobs = self._response_logprobs(internal_ids[output.request_id], prompts[index], ids, completion.logprobs)
                     routed = self._response_routing(completion.routed_experts, len(prompts[index]), len(ids))
                     yield index, self._generation(ids, logprobs, reason, routed)
         finally:  # an abort, or a caller that stopped listening: the engine keeps nothing of this call
             for request_id, index in index_of.items():
                 ids, logprobs, routed = _partial(engine, internal_ids[request_id])
-                partial[request_id] = ids, self._tapped(internal_ids[request_id], prompts[index], ids, logprobs), routed
+                partial[request_id] = ids, self._response_logprobs(internal_ids[request_id], prompts[index], ids, logprobs), routed
             engine.abort_request(list(index_of))
             if self._tap is not None:
                 self._tap.forget(internal_ids.values())
@@ -147,7 +148,7 @@ class VllmRollout(StreamingBackend):
             ids, logprobs, routed = partial[request_id]
             yield index, self._generation(ids, logprobs, "abort", self._response_routing(routed, len(prompts[index]), len(ids)))
 
-    def _tapped(self, internal_id: str, prompt: Sequence[int], ids: list[int], from_vllm) -> list[float]:
+    def _response_logprobs(self, internal_id: str, prompt: Sequence[int], ids: list[int], from_vllm) -> list[float]:
         """The response's logprobs from the tap where it runs, else from vLLM's per-position entries."""
         if self._tap is not None:
             return self._tap.take(internal_id, len(prompt) - 1, len(ids))
