@@ -33,6 +33,10 @@ runs one step more than it measures, whose start ends the last measured one).
     python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--rounds 2] [--order trl,trellis,trellis-compiled]
         [--vllm-memory 0.3] [--smoke]
 
+Where one call's time limit holds fewer runs than two rounds, make each round in a call of its own on
+the same machine (``--rounds 1 --round K``, alternating the order: ``--order trl,trellis`` then
+``--order trellis,trl``), then ``--combine OUT_DIR...`` reports over them as one alternated run.
+
 writes OUT_DIR/h200_trl_peer.json (``--smoke``: cpu_smoke_trl_peer.json). ``--trellis-compile``, the
 old spelling, makes ``trellis`` in ``--order`` the compiled one. ``--smoke`` runs on CPU: the tiny
 model, the transformers rollout on both sides (no vLLM), 4 x 4 samples of 8 tokens, 4 steps.
@@ -306,15 +310,23 @@ def main() -> None:
                         help="torch threads of every process that computes, on both sides")
     parser.add_argument("--trellis-compile", action="store_true", help="the old spelling: 'trellis' in --order is compiled")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers rollout, a few steps")
+    parser.add_argument("--round", type=int, help="the first round's number, for a call that makes one round of --combine's")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="CALL_FOLDER",
+                        help="no run: the report over earlier calls' folders, in the order they ran")
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.steps = min(args.steps, WARMUP_STEPS + 2)
     if args.steps < WARMUP_STEPS + 2:
         parser.error(f"--steps: {WARMUP_STEPS} warm-up steps and at least 2 measured ones")
-    if args.rounds < 2 and not args.trl_child:
-        parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated")
+    if args.rounds < 2 and not args.trl_child and args.round is None and not args.combine:
+        parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated (or rounds in "
+                     "calls of their own, --rounds 1 --round K, then --combine)")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        runs, order = combined_runs(args.combine)
+        (args.out / "h200_trl_peer.json").write_text(json.dumps(report(args, runs, order), indent=1))
+        return
     WORK.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
         trl_child(args.trl_child, args.steps, args)
@@ -322,7 +334,7 @@ def main() -> None:
     prepare_model_and_data(args)
     names = contestants(args)
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    order = alternated(names, args.rounds)
+    order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for round_, name in order:
         try:
@@ -337,11 +349,24 @@ def main() -> None:
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
         (args.out / "runs_so_far.json").write_text(json.dumps(runs, indent=1))  # what a call cut short still returns
+        (args.out / "order_so_far.json").write_text(json.dumps(order[: order.index((round_, name)) + 1]))
     summary = report(args, runs, order)
     name = "cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json"
     (args.out / name).write_text(json.dumps(summary, indent=1))
     if summary["unequal_settings"]:
         os._exit(1)
+
+
+def combined_runs(folders: list[Path]) -> tuple[dict[str, list[dict]], list[tuple[int, str]]]:
+    """The runs of earlier calls (each folder's ``runs_so_far.json`` and ``order_so_far.json``), in the
+    order the folders are given, as if one call had made them."""
+    runs: dict[str, list[dict]] = {}
+    order: list[tuple[int, str]] = []
+    for folder in folders:
+        for name, made in json.loads((folder / "runs_so_far.json").read_text()).items():
+            runs.setdefault(name, []).extend(made)
+        order += [tuple(pair) for pair in json.loads((folder / "order_so_far.json").read_text())]
+    return runs, order
 
 
 def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]], peer: str = "trl",
