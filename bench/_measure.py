@@ -37,12 +37,13 @@ class StepClock:
             json.dump({"wall": self.wall, "cpu": self.cpu, "peak_rss_gb": self._process.memory_info().rss / 2**30, **extra}, handle)
 
 
-def busy_spans(timeline: list[dict], classes: tuple[str, ...]) -> list[tuple[float, float]]:
-    """(start, end) wall seconds of every method call the named actor classes ran, from ``ray.timeline()``."""
+def busy_spans(timeline: list[dict], callers: tuple[str, ...]) -> list[tuple[float, float]]:
+    """(start, end) wall seconds of every actor call named ``caller.something`` in ``ray.timeline()``, for
+    the ``callers`` given (actor classes, and roles for calls named after them)."""
     spans = []
     for event in timeline:
         category = str(event.get("cat", ""))
-        if event.get("ph") == "X" and category.startswith("task::") and category[6:].split(".")[0] in classes:
+        if event.get("ph") == "X" and category.startswith("task::") and category[6:].split(".")[0] in callers:
             start = float(event["ts"]) / 1e6
             spans.append((start, start + float(event["dur"]) / 1e6))
     return spans

@@ -155,7 +155,7 @@ def measure(root: Path, steps: int, overlap: bool) -> dict:
             rl_train(config.model_copy(update={"total_train_steps": flow_bench.WARMUP_STEPS + steps + 2}))
             RECORDING.clear()
             starts = asyncio.run(flow_bench.step_starts(since_s))
-            spans = busy_spans(ray.timeline(), flow_bench.WORKER_CLASSES)
+            spans = busy_spans(ray.timeline(), flow_bench.WORKER_CALLS)
     finally:
         ray.shutdown()
         head.terminate()

@@ -45,7 +45,10 @@ from trellis.flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
 PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit", "time/sync_weights", "time/attest", "time/evaluate")
-WORKER_CLASSES = ("TrainerActor", "RolloutActor", "ControllerActor")
+# What a worker's call is named in Ray's timeline: its actor class (a method called by name), or its role for
+# a phase's call (``controller.produce_batch``, named so since cffc789: without the roles, every phase counted
+# as idle time).
+WORKER_CALLS = ("TrainerActor", "RolloutActor", "ControllerActor", "trainer", "rollout", "controller")
 
 
 def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
@@ -105,7 +108,7 @@ def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool | N
             records = {r["step"]: r for r in map(json.loads, (Path(tmp) / "bench" / "logs" / "metrics.jsonl").read_text().splitlines())}
             measured = range(WARMUP_STEPS + 1, WARMUP_STEPS + steps)  # the last step has no successor start
             wall = [starts[s + 1] - starts[s] for s in measured]
-            spans = busy_spans(ray.timeline(), WORKER_CLASSES)
+            spans = busy_spans(ray.timeline(), WORKER_CALLS)
             overhead = [idle_seconds(spans, starts[s], starts[s + 1]) for s in measured]
             phases = [{p: records[s].get(p, 0.0) for p in PHASES} for s in measured]
         clock.wall = wall

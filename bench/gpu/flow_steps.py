@@ -49,7 +49,7 @@ from process_exit import exit_now  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from _compare import spread, with_spread  # noqa: E402
 from _measure import busy_spans, idle_seconds  # noqa: E402
-from trellis_flow_step import PHASES, WORKER_CLASSES, start_head, step_starts  # noqa: E402
+from trellis_flow_step import PHASES, WORKER_CALLS, start_head, step_starts  # noqa: E402
 
 from trellis.engine.cluster import weight_sync  # noqa: E402
 from trellis.engine.cluster.workers import RunWorkers  # noqa: E402
@@ -121,7 +121,7 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
             rl_train(config.model_copy(update={"total_train_steps": total, "cluster": cluster}))
             measured[overlap] += range(total - args.steps + 1, total)  # a run's last step has no successor start
         starts = asyncio.run(step_starts(since_s))
-        spans = busy_spans(ray.timeline(), WORKER_CLASSES)
+        spans = busy_spans(ray.timeline(), WORKER_CALLS)
         lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
         records = {r["step"]: r for r in map(json.loads, lines)}
         sync = timed_sync(config)
