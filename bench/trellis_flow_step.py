@@ -41,6 +41,7 @@ from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
 from trellis.engine.config.loading import load_config  # noqa: E402
+from trellis.engine.run.plan import ROLES  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
 
 WARMUP_STEPS = 3
@@ -48,7 +49,7 @@ PHASES = ("time/rollout", "time/produce_batch", "time/prepare_data", "time/fit",
 # What a worker's call is named in Ray's timeline: its actor class (a method called by name), or its role for
 # a phase's call (``controller.produce_batch``, named so since cffc789: without the roles, every phase counted
 # as idle time).
-WORKER_CALLS = ("TrainerActor", "RolloutActor", "ControllerActor", "trainer", "rollout", "controller")
+WORKER_CALLS = ("TrainerActor", "RolloutActor", "ControllerActor", *ROLES)
 
 
 def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:

@@ -323,9 +323,10 @@ def main() -> None:
         parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated (or rounds in "
                      "calls of their own, --rounds 1 --round K, then --combine)")
     args.out.mkdir(parents=True, exist_ok=True)
+    report_file = args.out / ("cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json")
     if args.combine:
         runs, order = combined_runs(args.combine)
-        (args.out / "h200_trl_peer.json").write_text(json.dumps(report(args, runs, order), indent=1))
+        report_file.write_text(json.dumps(report(args, runs, order), indent=1))
         return
     WORK.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
@@ -336,7 +337,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
-    for round_, name in order:
+    for done, (round_, name) in enumerate(order, 1):
         try:
             if name == "trl":
                 runs[name].append(trl_contestant(args, round_))
@@ -349,10 +350,9 @@ def main() -> None:
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
         (args.out / "runs_so_far.json").write_text(json.dumps(runs, indent=1))  # what a call cut short still returns
-        (args.out / "order_so_far.json").write_text(json.dumps(order[: order.index((round_, name)) + 1]))
+        (args.out / "order_so_far.json").write_text(json.dumps(order[:done]))
     summary = report(args, runs, order)
-    name = "cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json"
-    (args.out / name).write_text(json.dumps(summary, indent=1))
+    report_file.write_text(json.dumps(summary, indent=1))
     if summary["unequal_settings"]:
         os._exit(1)
 
