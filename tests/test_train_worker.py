@@ -20,6 +20,7 @@ from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 from trellis.engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
 from trellis.engine.train.varlen_attention import use_varlen_attention
+from trellis.engine.train.compile import auto_compile_blocker, compile_decoder
 from teacher_forcing import teacher_forced_gaps
 
 
@@ -332,3 +333,42 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
     sharded.export_hf(Store(str(tmp_path / "hf")), str(tiny_model))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(exported.model.embed_tokens.weight, sharded_weights["model.embed_tokens.weight"])
+
+
+def test_compile_auto_compiles_the_measured_case_only_and_says_why_not(tiny_model, reverse_data):
+    """auto compiles a dense text policy in packed rows on one CUDA GPU (measured to gain) and names
+    every reason it leaves a policy eager; on this CPU machine the default worker stays eager."""
+    cuda = torch.device("cuda")
+    measured = {"device": cuda, "layout": "packed", "fsdp": False, "lora": False, "moe": False, "vision": False}
+    assert auto_compile_blocker(**measured) is None
+    for change, reason in [({"device": torch.device("cpu")}, "runs on cpu"), ({"layout": "padded"}, "layout is padded"),
+                           ({"fsdp": True}, "sharded"), ({"lora": True}, "LoRA"), ({"moe": True}, "mixture of experts"),
+                           ({"vision": True}, "vision-language")]:
+        assert reason in auto_compile_blocker(**{**measured, **change}), change
+    worker = TrainingWorker(_config(tiny_model, reverse_data), total_train_steps=4, pad_token_id=0)
+    assert worker.config.train_worker.compile == "auto" and not worker.compiled
+    assert all(layer._compiled_call_impl is None for layer in worker.model.get_decoder().layers)
+
+
+def test_a_layer_that_fails_to_compile_runs_eager_under_auto_and_stops_the_fit_when_compile_is_true(tiny_model, monkeypatch):
+    """A compiler that raises stands for one that cannot handle the model: under auto's fallback the
+    layers run eager and give the eager logits; without it (compile: true) the error reaches the caller."""
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # restored after the test
+    calls = []
+
+    def failing_compiler(graph, example_inputs):
+        calls.append(graph)
+        raise RuntimeError("this compiler cannot build the graph")
+
+    inputs = torch.tensor([[5, 6, 7, 8, 9]])
+    expected = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=inputs).logits
+    for fall_back in (True, False):
+        torch._dynamo.reset()
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        compile_decoder(model, "layers", fall_back_to_eager=fall_back, backend=failing_compiler)
+        if fall_back:
+            torch.testing.assert_close(model(input_ids=inputs).logits, expected)
+            assert calls, "the compiler was never tried"
+        else:
+            with pytest.raises(Exception, match="this compiler cannot build the graph"):
+                model(input_ids=inputs)

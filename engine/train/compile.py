@@ -1,11 +1,33 @@
-"""torch.compile for the policy's decoder, with or without CUDA graphs."""
+"""torch.compile for the policy's decoder, with or without CUDA graphs, and what ``compile: auto`` picks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 
-def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = False) -> None:
+def auto_compile_blocker(*, device: torch.device, layout: str, fsdp: bool, lora: bool, moe: bool, vision: bool) -> str | None:
+    """Why ``compile: auto`` leaves this policy eager, or None to compile it.
+
+    Auto compiles what was measured to gain: a dense text policy in packed rows on one CUDA GPU
+    (bench/gpu/trl_peer.py, bench/gpu/compile_cost.py). Elsewhere the compile costs minutes of CPU
+    or has not been measured, so set ``compile: true`` to have it anyway.
+    """
+    reasons = {
+        f"the trainer runs on {device.type}": device.type != "cuda",
+        f"the layout is {layout}, not packed": layout != "packed",
+        "the policy is sharded (fsdp)": fsdp,
+        "the policy trains LoRA adapters": lora,
+        "the policy is a mixture of experts": moe,
+        "the policy is vision-language": vision,
+    }
+    found = [reason for reason, applies in reasons.items() if applies]
+    return "; ".join(found) or None
+
+
+def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = False, fall_back_to_eager: bool = False,
+                    backend: Any = "inductor") -> None:
     """Compile the decoder layers one by one (identical layers share one graph, so this compiles once)
     or the whole decoder as one graph (one call into compiled code per micro-batch instead of one per
     layer, for many times the compile time).
@@ -13,8 +35,14 @@ def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = F
     Without CUDA graphs, lengths that vary between micro-batches are traced as dynamic instead of
     recompiled. With them (torch.compile's reduce-overhead mode) rows have one length, so shapes are
     left static and each graph is recorded once per layer and ``cu_seq_lens`` size.
+
+    The compile itself happens at the first forward pass. With ``fall_back_to_eager`` a layer that
+    fails to compile runs eager, with torch's warning naming the error (``compile: auto``); else the
+    error stops the fit (``compile: true``).
     """
-    options = {"mode": "reduce-overhead"} if cuda_graphs else {"dynamic": True}
+    torch._dynamo.config.suppress_errors = fall_back_to_eager  # process-wide: a trainer's process holds one policy
+    options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {"dynamic": True}
+    options["backend"] = backend
     decoder = model.get_decoder()
     if scope == "decoder":
         decoder.compile(**options)
@@ -24,3 +52,4 @@ def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = F
         raise ValueError(f"train_worker.compile: {type(model).__name__} has no decoder.layers to compile.")
     for layer in layers:
         layer.compile(**options)
+
