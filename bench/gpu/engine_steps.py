@@ -4,7 +4,7 @@ Weights are random, so rewards are ~0: this measures rollout and training token 
 same engine code that runs on CPU in CI (transformers rollout loop, fp32 master weights + bf16 autocast).
 
     python bench/gpu/engine_steps.py OUT_DIR [--steps 3] [--prompts 32] [--group 8] [--new-tokens 256] [--backend vllm]
-        [--resident-trainer] [--compile] [--vllm-memory 0.4] [--lr LR] [--model DIR] [--torch-threads N] [--warmup 1]
+        [--resident-trainer] [--[no-]compile] [--vllm-memory 0.4] [--lr LR] [--model DIR] [--torch-threads N] [--warmup 1]
 
 On a machine without a GPU (``--backend transformers --model DIR`` with a small model) it runs on CPU.
 """
@@ -100,7 +100,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
-    parser.add_argument("--compile", action="store_true", help="train_worker.compile=true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
+                        help="train_worker.compile true (--compile) or false (--no-compile); neither: auto, the default")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="rollout.gpu_memory_utilization")
     parser.add_argument("--lr", type=float, help="optim.lr (default: the config's)")
     parser.add_argument("--model", type=Path, help="a model folder instead of the random 0.5B shape")
@@ -134,7 +135,8 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     argv += ["--attest", getattr(args, "attest", "default")]
-    return argv + (["--resident-trainer"] if args.resident_trainer else []) + (["--compile"] if args.compile else [])
+    compile_flag = {True: ["--compile"], False: ["--no-compile"]}.get(args.compile, [])
+    return argv + (["--resident-trainer"] if args.resident_trainer else []) + compile_flag
 
 
 def run_settings(config) -> dict:

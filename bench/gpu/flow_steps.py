@@ -19,7 +19,7 @@ timeline): the GPU workers waited on Prefect and the driver. Also: each phase's 
 (``time/rollout`` is the batch's own generation and scoring), and a weight sync between the live
 actors timed on its own.
 
-    python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--compile]
+    python bench/gpu/flow_steps.py OUT_DIR [--steps 5] [--rounds 2] [--backend vllm] [--resident-trainer] [--[no-]compile]
         [--early-launch-only] [engine_steps.py's other options: --vllm-memory, --lr, --model ...]
 """
 
@@ -92,6 +92,11 @@ def timed_sync(config, repeats: int = 3) -> dict:
     return {**timings.pop("configured"), **timings}
 
 
+def trainer_compiled(worker) -> bool:
+    """What the trainer resolved ``train_worker.compile`` (auto by default) to."""
+    return worker.compiled
+
+
 def sync_bytes(worker) -> dict:
     """What a LoRA sync sends (the adapters, float32) against the merged weights in the rollout's bf16."""
     from trellis.engine.weights.lora import payload_bytes
@@ -113,7 +118,10 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
             cluster={"address": address, "release_workers_at_end": False, "torch_threads": args.torch_threads or 4,
                      "home": str(WORK / "cluster")},  # its token file, not the user's ~/.trellis
         )
+        started = time.perf_counter()
         rl_train(config)
+        warmup_run_s = time.perf_counter() - started  # the workers' start, model loads and compile included
+        compiled = ray.get(RunWorkers(config).actor("trainer").call.remote(trainer_compiled))
         since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
         for overlap in (True,) if args.early_launch_only else (True, False):
             total += args.steps
@@ -136,7 +144,9 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
             }
     every = measured[True] + measured[False]
     return {
-        "settings": run_settings(config),
+        "settings": {**run_settings(config), "compiled": compiled},
+        "warmup_run_s": warmup_run_s,
+        "warmup_phases_s": {p: [records[s].get(p, 0.0) for s in range(1, WARMUP_STEPS + 1)] for p in PHASES},
         "modes": modes,
         "mismatch_k3": [records[s]["mismatch/k3_kl"] for s in every if "mismatch/k3_kl" in records[s]],
         "weight_sync_between_actors": sync,
@@ -222,6 +232,8 @@ def write_summary(args: argparse.Namespace, rounds: list[dict]) -> None:
         "settings": rounds[0]["flow"]["settings"],
         "weight_sync_between_actors": [r["flow"]["weight_sync_between_actors"] for r in rounds],
         "mismatch_k3": [v for r in rounds for v in r["flow"]["mismatch_k3"]],
+        "warmup_run_s": [r["flow"]["warmup_run_s"] for r in rounds],
+        "warmup_phases_s": [r["flow"]["warmup_phases_s"] for r in rounds],
     }
     if not args.flow_only:
         summary.update(against_in_process(rounds, default))

@@ -4,18 +4,19 @@ Both train the same random Qwen2-0.5B-shaped model on the bundled task with the 
 x 8 samples = 256 completions of up to 256 new tokens per optimizer step, fp32 master weights under
 bf16 autocast, no KL term, the same learning rate and temperature, vLLM for generation with the same
 ``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident (no sleep
-mode, no offload), the same torch threads (``--torch-threads``) in every process that computes. Three
+mode, no offload), the same torch threads (``--torch-threads``) in every process that computes. The
 contestants:
 
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,
   ``vllm_enable_sleep_mode=False``, ``gradient_checkpointing=False`` (TRL's GRPO default recomputes
   activations; trellis's does not), not compiled (TRL's default), in a child process;
-- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only --flow-only``, not
-  compiled: the Prefect flow on a fresh local Ray cluster (trainer and rollout actors sharing the GPU);
-  flow_steps.py compares it with the in-process step on its own;
-- ``trellis-compiled``: the same with ``train_worker.compile: true``.
+- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only --flow-only`` with
+  trellis's default ``train_worker.compile: auto`` (compiled decoder layers on a GPU): the Prefect flow
+  on a fresh local Ray cluster (trainer and rollout actors sharing the GPU); flow_steps.py compares it
+  with the in-process step on its own;
+- ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``.
 
-They run alternately, ``--rounds`` times (trl, trellis, trellis-compiled, trl, ...), each in its own
+They run alternately, ``--rounds`` times (trl, trellis, trellis-eager, trl, ...), each in its own
 process, so each starts on a free GPU. The settings each side really ran with (read back from its own
 records) are printed side by side and checked equal first. Figures per contestant, as the median over
 the rounds with the spread (min .. max) beside it: the median step wall time after the warm-up (2 steps
@@ -26,11 +27,14 @@ own records (TRL: the length of every completion's ``completion_ids``, cut after
 completion mask is, summed in the reward function; trellis: ``response/response_len/mean`` x
 ``response/batch_size``, the samples that mean is over), over the sum of those steps' wall times; the
 peak GPU memory the device reported (``nvidia-smi``, sampled every 0.2 s, so vLLM's pool counts for
-both). A step's wall time is TRL's ``on_step_begin`` to ``on_step_end``, trellis's from one ``rl_step``
-flow run's start to the next one's (everything the user waits for, so it can only favour TRL; trellis
-runs one step more than it measures, whose start ends the last measured one).
+both). What trellis's first step costs: its warm-up flow run (workers started, models loaded, the
+compile) and its first step's ``time/fit``, beside the eager run's (torch's compile caches are warm
+from a run's second compiled contestant on). A step's wall time is TRL's ``on_step_begin`` to
+``on_step_end``, trellis's from one ``rl_step`` flow run's start to the next one's (everything the user
+waits for, so it can only favour TRL; trellis runs one step more than it measures, whose start ends the
+last measured one).
 
-    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--rounds 2] [--order trl,trellis,trellis-compiled]
+    python bench/gpu/trl_peer.py OUT_DIR [--steps 6] [--rounds 2] [--order trl,trellis,trellis-eager]
         [--vllm-memory 0.3] [--smoke]
 
 Where one call's time limit holds fewer runs than two rounds, make each round in a call of its own on
@@ -63,7 +67,8 @@ from run_facts import files_digest, weights_digest  # noqa: E402
 
 WORK = Path("/tmp/trellis-gpu")
 WARMUP_STEPS = 2
-CONTESTANTS = ("trl", "trellis", "trellis-compiled")
+CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled")
+COMPILE_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-compiled": ["--compile"]}  # trellis: the default
 # A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
 GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
 SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
@@ -125,15 +130,15 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
             "peak_gpu_gib": peak_gib, "settings": {**result["settings"], "measured steps": len(wall)}, "trl": result["versions"]}
 
 
-def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
-    out = args.out / f"trellis{'_compiled' if compiled else ''}_{round_}"
+def trellis_contestant(args: argparse.Namespace, round_: int, name: str) -> dict:
+    out = args.out / f"{name.replace('-', '_')}_{round_}"
     step = shared(args)
     command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--resident-trainer", "--early-launch-only", "--flow-only",
                "--backend", "transformers" if args.smoke else "vllm", "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1",
                "--prompts", str(step["prompts"]), "--group", str(step["group"]), "--new-tokens", str(step["new_tokens"]),
                "--vllm-memory", str(args.vllm_memory), "--lr", str(step["lr"]), "--model", str(model_dir(args)),
                "--torch-threads", str(args.torch_threads)]
-    peak_gib = run_child(command + (["--compile"] if compiled else []), args.out / f"{out.name}.log", dict(os.environ))
+    peak_gib = run_child(command + COMPILE_FLAGS[name], args.out / f"{out.name}.log", dict(os.environ))
     result = json.loads((out / f"flow_steps_{'transformers' if args.smoke else 'vllm'}.json").read_text())
     flow = result["modes"]["overlap"]
     records = {r["step"]: r for r in result["flow_steps"]}
@@ -143,6 +148,8 @@ def trellis_contestant(args: argparse.Namespace, round_: int, compiled: bool) ->
     return {"step_s": flow["step_s"]["median"], "steps_s": flow["steps_s"], "trained_response_tokens": sum(tokens),
             "trained_response_tokens_per_s": sum(tokens) / sum(flow["steps_s"]), "response_len_mean": sum(tokens) / samples,
             "workers_idle_fraction": flow["workers_idle_fraction"], "peak_gpu_gib": peak_gib,
+            "warmup_run_s": result["warmup_run_s"][0], "first_fit_s": result["warmup_phases_s"][0]["time/fit"][0],
+            "measured_fit_s": flow["phase_s"]["time/fit"]["median"],
             "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu"),
                          "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
 
@@ -172,7 +179,7 @@ def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
         "torch threads (CPU ops)": config["cluster"]["torch_threads"],
         "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
         "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
-        "compiled": config["train_worker"]["compile"],
+        "compiled": f"{config['compiled']} (compile: {config['train_worker']['compile']})",
         "tokens counted": TOKENS_COUNTED,
         "tokens counted from": "step metrics: response_len/mean x batch_size",
     }
@@ -296,7 +303,7 @@ def trl_installed() -> bool:
 
 
 FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
-           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f"}
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "warmup_run_s": ".1f", "first_fit_s": ".2f", "measured_fit_s": ".2f"}
 
 
 def main() -> None:
@@ -342,7 +349,7 @@ def main() -> None:
             if name == "trl":
                 runs[name].append(trl_contestant(args, round_))
             else:
-                runs[name].append(trellis_contestant(args, round_, compiled=name == "trellis-compiled"))
+                runs[name].append(trellis_contestant(args, round_, name))
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
@@ -383,7 +390,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tu
     summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
                "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
                "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
-    for name in ("trellis", "trellis-compiled"):
+    for name in COMPILE_FLAGS:
         if ok.get(peer) and ok.get(name):
             pairs = list(zip(ok[peer], ok[name]))
             step = spread(p["step_s"] / s["step_s"] for p, s in pairs)

@@ -89,7 +89,7 @@ from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data, 
 from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
 from verl_records import phase_medians, read_steps  # noqa: E402
 
-CONTESTANTS = ("verl", "trellis", "trellis-compiled")
+CONTESTANTS = ("verl", "trellis", "trellis-eager", "trellis-compiled")
 DIFFER_BY_DESIGN = {
     "compiled": "each side's default (verl compiles its log-prob/entropy helpers, not the model)",
     "tokens counted from": "each side's own records",
@@ -203,11 +203,11 @@ def wait_for_free_gpu(limit_s: float = 60.0) -> None:
         time.sleep(1)
 
 
-def trellis_side(args: argparse.Namespace, round_: int, compiled: bool) -> dict:
+def trellis_side(args: argparse.Namespace, round_: int, name: str) -> dict:
     from trl_peer import trellis_contestant
 
     args.smoke = False
-    return trellis_contestant(args, round_, compiled=compiled)
+    return trellis_contestant(args, round_, name)
 
 
 def main() -> None:
@@ -248,7 +248,7 @@ def main() -> None:
             if name == "verl":
                 runs[name].append(run_verl(args, round_, model, train, val))
             else:
-                runs[name].append(trellis_side(args, round_, compiled=name == "trellis-compiled"))
+                runs[name].append(trellis_side(args, round_, name))
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
