@@ -64,7 +64,7 @@ def test_a_minimal_config_is_valid_and_frozen():
         ({"train_worker": {"attention_kernel": "fa3"}}, "train_worker.attention_kernel: Input should be 'torch' or 'fa4'"),
         ({"train_worker": {"attention_kernel": "fa4", "layout": "padded"}}, "train_worker.attention_kernel: fa4 runs packed rows; layout is padded"),
         (
-            {"train_worker": {"cuda_graphs": True, "layout": "padded", "fsdp": True}},
+            {"train_worker": {"cuda_graphs": True, "compile": False, "layout": "padded", "fsdp": True}},
             "train_worker.cuda_graphs: compile is off (the graphs are compiled code); layout is padded (rows of one "
             "shape need packed); fsdp is on.",
         ),

@@ -75,7 +75,8 @@ def _sequences(vocab: int) -> list[TrainSequence]:
 @pytest.mark.parametrize(
     "options",
     [
-        {"layout": "packed"},
+        {"layout": "packed", "compile": False},
+        {"layout": "packed"},  # compile: auto, which compiles the layers here
         {"layout": "packed", "fsdp": True},
         {"layout": "packed", "compile": True, "compile_scope": "decoder"},
         {"layout": "packed", "compile": True, "cuda_graphs": True},

@@ -238,10 +238,11 @@ class TrainWorkerConfig(Frozen):
     compile: bool | Literal["auto"] = Field(
         "auto",
         description="torch.compile the decoder (fuses the norms, rotary and activations between the matmuls; "
-        "1.37x training tokens/s for a 0.5B model on an H200). The first step pays the compile (see "
-        "docs/gpu.md). auto: on for a dense text policy in packed rows on one CUDA GPU, where it was measured "
-        "to gain, with a layer that fails to compile left eager; off elsewhere (CPU, fsdp, LoRA, MoE, "
-        "vision-language), where true turns it on.",
+        "1.37x training tokens/s for a 0.5B model on an H200). A machine's first compiled run pays the "
+        "compile on its first steps; later runs find it in torch's caches (docs/gpu.md). auto: on for a "
+        "dense text policy in packed rows on one CUDA GPU, where it was measured to gain, with a layer "
+        "that fails to compile left eager; off elsewhere (CPU, fsdp, LoRA, MoE, vision-language), where "
+        "true turns it on.",
     )
     compile_scope: Literal["layers", "decoder"] = Field(
         "layers",

@@ -4,7 +4,38 @@ from __future__ import annotations
 
 from typing import Any
 
+import logging
+
 import torch
+
+from trellis.engine.config import TrainWorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def compile_policy(model: torch.nn.Module, worker: TrainWorkerConfig, **policy) -> tuple[bool, bool]:
+    """Compile ``model``'s decoder as ``worker`` (compile, compile_scope, cuda_graphs) says for this policy
+    (``policy``: ``auto_compile_blocker``'s keywords); returns whether it is compiled, and with CUDA graphs."""
+    cuda_graphs = worker.cuda_graphs and policy["device"].type == "cuda"
+    if worker.cuda_graphs and not cuda_graphs:
+        logger.warning("train_worker.cuda_graphs has no effect on %s; the decoder is compiled without them.", policy["device"])
+    compiled = resolve_compile(worker.compile, cuda_graphs=cuda_graphs, **policy)
+    if compiled:
+        compile_decoder(model, worker.compile_scope, cuda_graphs=cuda_graphs, fall_back_to_eager=worker.compile == "auto")
+    return compiled, cuda_graphs
+
+
+def resolve_compile(setting: bool | str, *, cuda_graphs: bool, **policy) -> bool:
+    """What ``train_worker.compile`` comes to for this policy (``policy``: ``auto_compile_blocker``'s
+    keywords), saying in the log why ``auto`` leaves a GPU policy eager."""
+    if setting != "auto":
+        return bool(setting)
+    if cuda_graphs:  # the graphs replay compiled code
+        return True
+    blocker = auto_compile_blocker(**policy)
+    if blocker is not None and policy["device"].type == "cuda":
+        logger.info("train_worker.compile: auto leaves the decoder eager: %s. compile: true compiles it anyway.", blocker)
+    return blocker is None
 
 
 def auto_compile_blocker(*, device: torch.device, layout: str, fsdp: bool, lora: bool, moe: bool, vision: bool) -> str | None:

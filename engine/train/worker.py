@@ -27,7 +27,7 @@ from trellis.engine.errors import SettingError
 from trellis.engine.faults import spike_lr_if_asked
 from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp, worker_checkpoint
-from trellis.engine.train.compile import auto_compile_blocker, compile_decoder
+from trellis.engine.train.compile import compile_policy
 from trellis.engine.train.logprob_head import Policy, output_head
 from trellis.engine.train.lora import PolicyAdapters, is_adapter_name
 from trellis.engine.train.moe_routing import TrainerRouting
@@ -132,26 +132,10 @@ class TrainingWorker:
             enable_activation_checkpointing(self.model)
             if self.adapters is not None:  # the frozen embeddings' output must carry grad into the checkpoints
                 self.model.enable_input_require_grads()
-        self._cuda_graphs = worker.cuda_graphs and self.device.type == "cuda"
-        if worker.cuda_graphs and not self._cuda_graphs:
-            logger.warning("train_worker.cuda_graphs has no effect on %s; the decoder is compiled without them.", self.device)
-        self.compiled = self._should_compile(worker)
-        if self.compiled:
-            compile_decoder(self.model, worker.compile_scope, cuda_graphs=self._cuda_graphs,
-                            fall_back_to_eager=worker.compile == "auto")
-
-    def _should_compile(self, worker: TrainWorkerConfig) -> bool:
-        if worker.compile != "auto":
-            return worker.compile
-        if self._cuda_graphs:  # the graphs replay compiled code
-            return True
-        blocker = auto_compile_blocker(
-            device=self.device, layout=self._layout, fsdp=self._fsdp, lora=self.adapters is not None,
-            moe=moe_shape(self.model) is not None, vision=self.vision is not None,
+        self.compiled, self._cuda_graphs = compile_policy(
+            self.model, worker, device=self.device, layout=self._layout, fsdp=self._fsdp,
+            lora=self.adapters is not None, moe=moe_shape(self.model) is not None, vision=self.vision is not None,
         )
-        if blocker is not None and self.device.type == "cuda":
-            logger.info("train_worker.compile: auto leaves the decoder eager: %s. compile: true compiles it anyway.", blocker)
-        return blocker is None
 
     # -- the update ---------------------------------------------------------------------------------
 
