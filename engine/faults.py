@@ -15,9 +15,12 @@ learning rate, the injected instability the stability guard's tests recover from
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 FAULT_FILE = "TRELLIS_FAULT_FILE"
 LR_SPIKE, LR_SPIKE_FACTOR = "trainer.lr_spike", 100.0
@@ -38,22 +41,33 @@ def _fires(name: str) -> bool:
     if not path:
         return False
     marker = Path(path)
-    try:
-        point, *numbers = marker.read_text().split()
-    except FileNotFoundError:
-        return False
-    if point != name:
-        return False
-    left, times = (int(numbers[0]) if numbers else 0), (int(numbers[1]) if len(numbers) > 1 else 1)
-    if left > 0:
-        marker.write_text(f"{point} {left - 1} {times}")
-        return False
-    Path(f"{path}.fired").write_text(f"{point} {os.getpid()}")
-    if times > 1:
-        marker.write_text(f"{point} 0 {times - 1}")
-    else:
-        marker.unlink()
-    return True
+    with marker_lock(marker):
+        try:
+            point, *numbers = marker.read_text().split()
+        except FileNotFoundError:
+            return False
+        if point != name:
+            return False
+        left, times = (int(numbers[0]) if numbers else 0), (int(numbers[1]) if len(numbers) > 1 else 1)
+        if left > 0:
+            marker.write_text(f"{point} {left - 1} {times}")
+            return False
+        Path(f"{path}.fired").write_text(f"{point} {os.getpid()}")
+        if times > 1:
+            marker.write_text(f"{point} 0 {times - 1}")
+        else:
+            marker.unlink()
+        return True
+
+
+@contextmanager
+def marker_lock(marker: Path) -> Iterator[None]:
+    """Hold ``{marker}.lock`` while reading and rewriting a countdown marker: processes that pass a point
+    at once (trainer ranks, a reward pool's extra pools) would otherwise read one count and lose one, and
+    the fault would fire a call late."""
+    with open(f"{marker}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def spike_lr_if_asked(param_groups: list[dict]) -> None:

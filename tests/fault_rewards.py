@@ -4,6 +4,7 @@ import os
 import signal
 from pathlib import Path
 
+from trellis.engine.faults import marker_lock
 from trellis.engine.tiny.reverse_task import score
 
 
@@ -26,14 +27,20 @@ def freeze_once(sample):
 
 
 def _signal_once(signum: int) -> None:
+    """The countdown is taken under a lock: a slow call opens another reward pool (``BoundedCalls``), and
+    two pools counting down at once lost a count, so the signal landed one call (and one step) late."""
     marker = Path(os.environ["TRELLIS_TEST_KILL_FILE"])
-    try:
-        pid, *countdown = marker.read_text().split()
+    with marker_lock(marker):
+        try:
+            pid, *countdown = marker.read_text().split()
+        except FileNotFoundError:
+            return
         left = int(countdown[0]) if countdown else 0
         if left > 0:
             marker.write_text(f"{pid} {left - 1}")
-        else:
-            marker.unlink()
-            os.kill(int(pid), signum)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+            return
+        marker.unlink()
+    try:
+        os.kill(int(pid), signum)
+    except ProcessLookupError:
         pass
