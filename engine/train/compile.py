@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
+from typing import Any
 
 import torch
 
@@ -33,7 +32,10 @@ def resolve_compile(setting: bool | str, *, cuda_graphs: bool, **policy) -> bool
     if cuda_graphs:  # the graphs replay compiled code
         return True
     blocker = auto_compile_blocker(**policy)
-    if blocker is not None and policy["device"].type == "cuda":
+    if blocker is None:
+        logger.info("train_worker.compile: auto compiles the decoder layers. A machine's first run pays the compile on "
+                    "its first steps (10-20 s for 0.5B); torch's caches keep it for later runs. compile: false turns it off.")
+    elif policy["device"].type == "cuda":
         logger.info("train_worker.compile: auto leaves the decoder eager: %s. compile: true compiles it anyway.", blocker)
     return blocker is None
 
