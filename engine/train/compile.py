@@ -85,4 +85,3 @@ def compile_decoder(model: torch.nn.Module, scope: str, *, cuda_graphs: bool = F
         raise ValueError(f"train_worker.compile: {type(model).__name__} has no decoder.layers to compile.")
     for layer in layers:
         layer.compile(**options)
-

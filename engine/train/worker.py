@@ -20,11 +20,11 @@ from trellis.engine.algo.losses import (
 )
 from trellis.engine.compat import enable_activation_checkpointing
 from trellis.engine.config import TrainWorkerConfig, TrellisConfig
-from trellis.engine.moe.routers import moe_shape
 from trellis.engine.data.prepare import PreparedBatch, TrainSequence
 from trellis.engine.devices import resolve_device
 from trellis.engine.errors import SettingError
 from trellis.engine.faults import spike_lr_if_asked
+from trellis.engine.moe.routers import moe_shape
 from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp, worker_checkpoint
 from trellis.engine.train.compile import compile_policy
