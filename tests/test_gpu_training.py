@@ -108,6 +108,33 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
             assert tested[key] == pytest.approx(padded[key], rel=2e-2), (step, key)
 
 
+def test_compiled_layers_train_alike_when_the_trainer_is_offloaded_between_steps(tiny_model, reverse_data):
+    """The default compile (auto: compiled here) under the colocated default, offload_when_idle: weights and
+    AdamW state go to the CPU and back between fits; three steps report what a resident trainer does."""
+    metrics = {}
+    for offload in (False, True):
+        config = load_config(
+            None,
+            load_from=str(tiny_model),
+            train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+            reward={"function": "trellis.engine.tiny.reverse_task:score"},
+            total_train_steps=3,
+            train_worker={"device": "cuda", "pack_max_length": 128, "offload_when_idle": offload},
+        )
+        worker = TrainingWorker(config, total_train_steps=3, pad_token_id=0)
+        assert worker.compiled
+        batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
+        metrics[offload] = []
+        for step in (1, 2, 3):
+            worker.onload()
+            metrics[offload].append(worker.fit(batch, step).metrics)
+            worker.offload()
+        assert next(worker.model.parameters()).device.type == ("cpu" if offload else "cuda")
+    for step, (offloaded, resident) in enumerate(zip(metrics[True], metrics[False]), start=1):
+        for key in ("pg_loss", "entropy", "mismatch/train_ppl"):
+            assert offloaded[key] == pytest.approx(resident[key], rel=1e-3), (step, key)
+
+
 def test_compiled_head_equals_full_logits_autograd():
     """The chunked head (compiled on CUDA, bf16 under autocast, T=0.7, uneven last chunk) against
     log_softmax of the same bf16 logits with autograd: logprobs, entropies and both gradients."""
