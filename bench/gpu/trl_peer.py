@@ -62,7 +62,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
-from _compare import alternated, figures_table, settings_table, spread  # noqa: E402
+from _compare import alternated  # noqa: E402
+from peer_report import combined_runs, report  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
 WORK = Path("/tmp/trellis-gpu")
@@ -333,7 +334,7 @@ def main() -> None:
     report_file = args.out / ("cpu_smoke_trl_peer.json" if args.smoke else "h200_trl_peer.json")
     if args.combine:
         runs, order = combined_runs(args.combine)
-        report_file.write_text(json.dumps(report(args, runs, order), indent=1))
+        report_file.write_text(json.dumps(trl_report(args, runs, order), indent=1))
         return
     WORK.mkdir(parents=True, exist_ok=True)
     if args.trl_child:
@@ -358,49 +359,15 @@ def main() -> None:
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
         (args.out / "runs_so_far.json").write_text(json.dumps(runs, indent=1))  # what a call cut short still returns
         (args.out / "order_so_far.json").write_text(json.dumps(order[:done]))
-    summary = report(args, runs, order)
+    summary = trl_report(args, runs, order)
     report_file.write_text(json.dumps(summary, indent=1))
     if summary["unequal_settings"]:
         os._exit(1)
 
 
-def combined_runs(folders: list[Path]) -> tuple[dict[str, list[dict]], list[tuple[int, str]]]:
-    """The runs of earlier calls (each folder's ``runs_so_far.json`` and ``order_so_far.json``), in the
-    order the folders are given, as if one call had made them."""
-    runs: dict[str, list[dict]] = {}
-    order: list[tuple[int, str]] = []
-    for folder in folders:
-        for name, made in json.loads((folder / "runs_so_far.json").read_text()).items():
-            runs.setdefault(name, []).extend(made)
-        order += [tuple(pair) for pair in json.loads((folder / "order_so_far.json").read_text())]
-    return runs, order
+def trl_report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]]) -> dict:
+    return report(args, runs, order, peer="trl", figure_formats=FIGURES, differ_by_design=DIFFER_BY_DESIGN, warmup_steps=WARMUP_STEPS)
 
-
-def report(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[tuple[int, str]], peer: str = "trl",
-           figure_formats: dict[str, str] = FIGURES, differ_by_design: dict[str, str] = DIFFER_BY_DESIGN) -> dict:
-    """The settings side by side (checked equal), every figure's median with its spread, and trellis's
-    ratios to ``peer`` round by round (verl_peer.py reports through this too)."""
-    ok = {name: [r for r in rs if "error" not in r] for name, rs in runs.items()}
-    columns = {f"{name}[{i}]": r["settings"] for name, rs in ok.items() for i, r in enumerate(rs, 1)}
-    table, unequal = settings_table(columns, differ_by_design=differ_by_design) if columns else ("(no run finished)", [])
-    print("\nsettings, as each side's own records say:\n" + table)
-    figures = {name: {k: [r[k] for r in rs if r.get(k) is not None] for k in figure_formats} for name, rs in ok.items() if rs}
-    if figures:
-        print("\nfigures (tokens: trained response tokens, from each side's own records):\n" + figures_table(figures, figure_formats))
-    summary = {"order": [f"{name}[{round_}]" for round_, name in order], "warmup_steps": WARMUP_STEPS, "steps": args.steps,
-               "vllm_memory": args.vllm_memory, "unequal_settings": unequal, "runs": runs,
-               "figures": {name: {k: spread(v) for k, v in f.items() if v} for name, f in figures.items()}}
-    for name in COMPILE_FLAGS:
-        if ok.get(peer) and ok.get(name):
-            pairs = list(zip(ok[peer], ok[name]))
-            step = spread(p["step_s"] / s["step_s"] for p, s in pairs)
-            tgs = spread(s["trained_response_tokens_per_s"] / p["trained_response_tokens_per_s"] for p, s in pairs)
-            summary[f"{name}_vs_{peer}"] = {"step_speedup": step, "trained_response_tgs": tgs}
-            print(f"{name} vs {peer}, round by round: step {step['median']:.2f}x faster ({step['min']:.2f}x .. {step['max']:.2f}x), "
-                  f"trained response tokens/s {tgs['median']:.2f}x ({tgs['min']:.2f}x .. {tgs['max']:.2f}x), n={step['n']}")
-    if unequal:
-        print(f"\nNOT A FAIR COMPARISON: {', '.join(unequal)} differ between the sides.")
-    return summary
 
 if __name__ == "__main__":
     main()

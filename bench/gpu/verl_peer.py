@@ -85,7 +85,8 @@ sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data, report  # noqa: E402
+from peer_report import report  # noqa: E402
+from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
 from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
 from verl_records import phase_medians, read_steps  # noqa: E402
 
@@ -256,7 +257,8 @@ def main() -> None:
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}  response mean {r['response_len_mean']:.1f}"), flush=True)
         (args.out / "verl_runs_so_far.json").write_text(json.dumps(runs, indent=1))
-    summary = report(args, runs, order, peer="verl", figure_formats=FIGURES, differ_by_design=DIFFER_BY_DESIGN)
+    summary = report(args, runs, order, peer="verl", figure_formats=FIGURES, differ_by_design=DIFFER_BY_DESIGN,
+                     warmup_steps=WARMUP_STEPS)
     (args.out / "h200_verl_peer.json").write_text(json.dumps(summary, indent=1))
 
 
