@@ -72,6 +72,19 @@ def _sequences(vocab: int) -> list[TrainSequence]:
     return sequences
 
 
+def _gpu_worker(tiny_model, reverse_data, **worker_options) -> TrainingWorker:
+    """A trainer of the tiny model on the GPU for three steps, 128-token packs, with these train_worker options."""
+    config = load_config(
+        None,
+        load_from=str(tiny_model),
+        train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
+        total_train_steps=3,
+        train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
+    )
+    return TrainingWorker(config, total_train_steps=3, pad_token_id=0)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -92,15 +105,7 @@ def test_packed_bf16_training_matches_the_padded_layout(tiny_model, reverse_data
     _needs(options)
     metrics = {}
     for name, worker_options in (("padded", {"layout": "padded"}), ("tested", options)):
-        config = load_config(
-            None,
-            load_from=str(tiny_model),
-            train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
-            reward={"function": "trellis.engine.tiny.reverse_task:score"},
-            total_train_steps=3,
-            train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
-        )
-        worker = TrainingWorker(config, total_train_steps=3, pad_token_id=0)
+        worker = _gpu_worker(tiny_model, reverse_data, **worker_options)
         batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
         metrics[name] = [worker.fit(batch, step).metrics for step in (1, 2, 3)]
     for step, (tested, padded) in enumerate(zip(metrics["tested"], metrics["padded"]), start=1):
@@ -113,15 +118,7 @@ def test_compiled_layers_train_alike_when_the_trainer_is_offloaded_between_steps
     AdamW state go to the CPU and back between fits; three steps report what a resident trainer does."""
     metrics = {}
     for offload in (False, True):
-        config = load_config(
-            None,
-            load_from=str(tiny_model),
-            train_dataset={"path": str(reverse_data["train"]), "max_prompt_length": 64},
-            reward={"function": "trellis.engine.tiny.reverse_task:score"},
-            total_train_steps=3,
-            train_worker={"device": "cuda", "pack_max_length": 128, "offload_when_idle": offload},
-        )
-        worker = TrainingWorker(config, total_train_steps=3, pad_token_id=0)
+        worker = _gpu_worker(tiny_model, reverse_data, offload_when_idle=offload)
         assert worker.compiled
         batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
         metrics[offload] = []
