@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -70,6 +71,8 @@ def child(mode: str, steps: int, smoke: bool) -> dict:
     from trellis.engine.tiny.reverse_task import write_dataset
     from trellis.engine.train.worker import TrainingWorker
 
+    if os.environ.get("TORCH_LOGS"):  # engine_steps silences logging below errors; TORCH_LOGS=recompiles asks for it
+        logging.disable(logging.NOTSET)
     model_dir = WORK / ("tiny" if smoke else "qwen2-05b-random")
     if not (model_dir / "config.json").exists():
         build_tiny_checkpoint(model_dir) if smoke else random_qwen2_05b(build_tokenizer(), model_dir)
@@ -82,14 +85,24 @@ def child(mode: str, steps: int, smoke: bool) -> dict:
     started = time.perf_counter()
     worker = TrainingWorker(config, total_train_steps=100, pad_token_id=0)
     build_s = time.perf_counter() - started
-    fits = []
+    fits, compiles = [], []
     for step, batch in enumerate(grpo_batches(steps, worker.model.config.vocab_size, 2 if smoke else 32), 1):
         synchronize()
         started = time.perf_counter()
         worker.fit(batch, step)
         synchronize()
         fits.append(time.perf_counter() - started)
-    return {"mode": mode, "compiled": worker.compiled, "build_s": build_s, "fit_s": fits}
+        compiles.append(compile_counts())
+    return {"mode": mode, "compiled": worker.compiled, "build_s": build_s, "fit_s": fits, "compile_counts": compiles}
+
+
+def compile_counts() -> dict[str, int]:
+    """torch's compile counters so far (dynamo frames and graphs, AOT autograd and inductor cache hits and
+    misses): a step whose counts grew compiled something, and TORCH_LOGS=recompiles says why."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{name}": count for group in ("frames", "stats", "aot_autograd", "inductor")
+            for name, count in counters[group].items()}
 
 
 def run(mode: str, args: argparse.Namespace, caches: Path, log: Path) -> dict:
