@@ -1,7 +1,8 @@
 """Group training sequences into micro-batches of at most ``pack_max_length`` tokens, and lay them out.
 
 Which sequences share a micro-batch is decided by the token budget (in order where the layout shares
-prompts, first-fit decreasing otherwise). How the micro-batch is laid out for the model is a separate
+prompts; otherwise as few micro-batches as first-fit decreasing fills, with the tokens spread evenly
+across them). How the micro-batch is laid out for the model is a separate
 choice:
 
 - ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
@@ -84,8 +85,10 @@ def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bo
     """Indices of ``sequences`` per micro-batch, each holding at most ``pack_max_length`` tokens.
 
     keep_order: fill one micro-batch after another in the given order, so that a group's samples stay
-    together (as ``shared_prefix`` needs). Otherwise first-fit decreasing, which fills micro-batches
-    tighter: fewer of them, and less padding where rows are padded.
+    together (as ``shared_prefix`` needs). Otherwise as many micro-batches as first-fit decreasing
+    fills (fewer than in order, and less padding where rows are padded), holding like token counts:
+    no short last micro-batch, whose length a compiled decoder layer would recompile for (inductor
+    guards its kernels on the length range it first saw; on H100 a cold recompile cost 8-12 s).
     """
     for sequence in sequences:
         if sequence.num_tokens > pack_max_length:
@@ -95,7 +98,7 @@ def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bo
             )
     if keep_order:
         return _fill_in_order(sequences, pack_max_length)
-    return _first_fit_decreasing(sequences, pack_max_length)
+    return _balanced(sequences, pack_max_length)
 
 
 def split_by_tokens(sequences: list[TrainSequence], parts: int) -> list[list[int]]:
@@ -152,6 +155,21 @@ def _first_fit_decreasing(sequences: list[TrainSequence], pack_max_length: int) 
             target = len(packs) - 1
         packs[target].append(index)
         room[target] -= need
+    return [sorted(indices) for indices in packs]
+
+
+def _balanced(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+    """First-fit decreasing's number of micro-batches, each sequence (longest first) going to the one
+    with the fewest tokens so far; first-fit decreasing's own packs where that overflows one."""
+    tight = _first_fit_decreasing(sequences, pack_max_length)
+    packs: list[list[int]] = [[] for _ in tight]
+    loads = [0] * len(tight)
+    for index in sorted(range(len(sequences)), key=lambda i: -sequences[i].num_tokens):
+        target = loads.index(min(loads))
+        loads[target] += sequences[index].num_tokens
+        if loads[target] > pack_max_length:  # the emptiest is too full: so is every other
+            return tight
+        packs[target].append(index)
     return [sorted(indices) for indices in packs]
 
 
