@@ -1,5 +1,6 @@
 """The training worker really trains: parameters move, options take effect, a step is never applied twice."""
 
+import logging
 import math
 from dataclasses import replace
 
@@ -348,6 +349,19 @@ def test_compile_auto_compiles_the_measured_case_only_and_says_why_not(tiny_mode
     worker = TrainingWorker(_config(tiny_model, reverse_data), total_train_steps=4, pad_token_id=0)
     assert worker.config.train_worker.compile == "auto" and not worker.compiled
     assert all(layer._compiled_call_impl is None for layer in worker.model.get_decoder().layers)
+
+
+def test_compiling_the_shared_prefix_layout_warns_that_each_layer_compiles_on_its_own(tiny_model, reverse_data, caplog):
+    """compile: true with layout shared_prefix (the CPU's auto layout): the KV cache passed into each layer
+    gives every layer graphs of its own; with 12 layers torch hit its recompile limit of 8 and ran the rest
+    eager (tried on CPU), so the worker says so. packed compiles one graph for every layer, silently."""
+    for layout, warned in (("shared_prefix", True), ("packed", False)):
+        caplog.clear()
+        config = _config(tiny_model, reverse_data, train_worker={"compile": True, "layout": layout})
+        with caplog.at_level(logging.WARNING, logger="trellis.engine.train.compile"):
+            worker = TrainingWorker(config, total_train_steps=4, pad_token_id=0)
+        assert worker.compiled
+        assert ("each layer compiles graphs of its own" in caplog.text) is warned, layout
 
 
 def test_a_layer_that_fails_to_compile_runs_eager_under_auto_and_stops_the_fit_when_compile_is_true(tiny_model, monkeypatch):

@@ -21,6 +21,13 @@ def compile_policy(model: torch.nn.Module, worker: TrainWorkerConfig, **policy) 
     compiled = resolve_compile(worker.compile, cuda_graphs=cuda_graphs, **policy)
     if compiled:
         compile_decoder(model, worker.compile_scope, cuda_graphs=cuda_graphs, fall_back_to_eager=worker.compile == "auto")
+        if policy["layout"] == "shared_prefix":
+            logger.warning(
+                "train_worker.compile with layout shared_prefix: the prompts' KV cache enters every decoder layer, so each "
+                "layer compiles graphs of its own, and past torch's recompile limit (torch._dynamo.config.recompile_limit, "
+                "%d) the remaining layers run eager. layout: packed or padded compiles one graph for all layers.",
+                torch._dynamo.config.recompile_limit,
+            )
     return compiled, cuda_graphs
 
 
