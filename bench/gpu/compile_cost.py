@@ -43,22 +43,13 @@ RUNS = ("eager", "cold", "warm")
 def grpo_batches(steps: int, vocab: int, prompts: int):
     import random
 
-    from trellis.engine.data.prepare import IGNORE, PreparedBatch, TrainSequence
+    from train_mfu import grpo_group
+
+    from trellis.engine.data.prepare import PreparedBatch
 
     rng = random.Random(0)
     for _ in range(steps):
-        sequences = []
-        for _ in range(prompts):
-            prompt = [rng.randrange(vocab) for _ in range(128)]
-            for _ in range(8):
-                response = [rng.randrange(vocab) for _ in range(rng.randint(64, 256))]
-                ids = prompt + response
-                sequences.append(TrainSequence(
-                    input_ids=ids[:-1], labels=[IGNORE] * 127 + response,
-                    advantages=[0.0] * 127 + [rng.choice((-1.0, 1.0))] * len(response),
-                    rollout_logprobs=[0.0] * 127 + [-11.9] * len(response), prompt_length=128,
-                ))
-        yield PreparedBatch(sequences=sequences)
+        yield PreparedBatch(sequences=[seq for _ in range(prompts) for seq in grpo_group(rng, vocab, 8, (64, 256))])
 
 
 def child(mode: str, steps: int, smoke: bool) -> dict:

@@ -67,25 +67,29 @@ def grpo_batch(total_tokens: int, vocab: int, seed: int = 0, shape: str = "grpo"
     that each fill a packed row, the shape of the plain-loop figures in shared/STACK.md."""
     rng = random.Random(seed)
     sequences: list[TrainSequence] = []
-    used = 0
     group, lengths = (8, (64, 1536)) if shape == "grpo" else (1, (PACK - 128, PACK - 128))
+    used = 0
     while used < total_tokens:
-        prompt = [rng.randrange(vocab) for _ in range(128)]
-        for _ in range(group):
-            response = [rng.randrange(vocab) for _ in range(rng.randint(*lengths))]
-            ids = prompt + response
-            labels = [IGNORE] * 127 + response
-            sequences.append(
-                TrainSequence(
-                    input_ids=ids[:-1],
-                    labels=labels,
-                    advantages=[0.0] * 127 + [rng.choice((-1.0, 1.0))] * len(response),
-                    rollout_logprobs=[0.0] * 127 + [-11.9] * len(response),
-                    prompt_length=128,
-                )
-            )
-            used += len(ids) - 1
+        sequences += grpo_group(rng, vocab, group, lengths)
+        used = sum(seq.num_tokens for seq in sequences)
     return sequences
+
+
+def grpo_group(rng: random.Random, vocab: int, samples: int, lengths: tuple[int, int]) -> list[TrainSequence]:
+    """``samples`` random responses of ``lengths`` (min, max) tokens to one random 128-token prompt, with
+    advantages of +-1 and the rollout logprobs of a uniform policy, laid out as ``prepare`` lays a group."""
+    prompt = [rng.randrange(vocab) for _ in range(128)]
+    group = []
+    for _ in range(samples):
+        response = [rng.randrange(vocab) for _ in range(rng.randint(*lengths))]
+        group.append(TrainSequence(
+            input_ids=(prompt + response)[:-1],
+            labels=[IGNORE] * 127 + response,
+            advantages=[0.0] * 127 + [rng.choice((-1.0, 1.0))] * len(response),
+            rollout_logprobs=[0.0] * 127 + [-11.9] * len(response),
+            prompt_length=128,
+        ))
+    return group
 
 
 def objective_flops(model, sequences: list[TrainSequence]) -> float:
