@@ -364,6 +364,22 @@ def test_compiling_the_shared_prefix_layout_warns_that_each_layer_compiles_on_it
         assert ("each layer compiles graphs of its own" in caplog.text) is warned, layout
 
 
+def test_the_attestation_canary_runs_eager_on_compiled_layers(tiny_model, reverse_data):
+    """The trainer's side of a weight attestation, a 31-token no-grad forward, would compile graphs of its own
+    on compiled layers (on a cold GPU, seconds at the first sync); it runs eager there and scores as an
+    eager worker does. Tried: a compiled worker's canary, with dynamo's compile counter before and after."""
+    from torch._dynamo.utils import counters
+
+    tokens = list(range(5, 37))
+    eager = TrainingWorker(_config(tiny_model, reverse_data, train_worker={"compile": False}), total_train_steps=4, pad_token_id=0)
+    compiled = TrainingWorker(_config(tiny_model, reverse_data, train_worker={"compile": True, "layout": "packed"}),
+                              total_train_steps=4, pad_token_id=0)
+    assert compiled.compiled
+    frames = counters["frames"]["total"]
+    assert compiled.canary_logprobs(tokens) == pytest.approx(eager.canary_logprobs(tokens), abs=1e-4)
+    assert counters["frames"]["total"] == frames, "the canary's forward compiled"
+
+
 def test_a_layer_that_fails_to_compile_runs_eager_under_auto_and_stops_the_fit_when_compile_is_true(tiny_model, monkeypatch):
     """A compiler that raises stands for one that cannot handle the model: under auto's fallback the
     layers run eager and give the eager logits; without it (compile: true) the error reaches the caller."""

@@ -349,7 +349,8 @@ class TrainingWorker:
         zeros = [0.0] * (len(token_ids) - 1)
         (batch,) = self._micro_batches([TrainSequence(token_ids[:-1], token_ids[1:], zeros, zeros)])
         self.model.eval()  # fit sets train mode again
-        with self.policy.at_temperature(1.0), self.routing.session(batch):
+        # Eager even where compiled: this short no-grad forward would compile graphs used for nothing else.
+        with self.policy.at_temperature(1.0), self.routing.session(batch), torch.compiler.set_stance("force_eager"):
             logprobs = self._token_logprobs(self.policy, batch)[0]
         return logprobs.flatten().index_select(0, batch.label_index_K).tolist()
 
