@@ -84,7 +84,7 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     assert any((Path(config.run_uri) / "logs" / "tensorboard").iterdir())
     artifacts = await_(read_artifacts())
     assert {"three-steps-step-metrics", "three-steps-trajectories", "three-steps-eval-trajectories"} <= {a.key for a in artifacts}
-    # Posted in the background, each step's metrics still belong to that step's log_step task run.
+    # Each step's metrics table belongs to that step's log_step task run.
     log_steps = {run.id: run for run in await_(task_runs_named("log_step"))}
     posted = [log_steps[a.task_run_id] for a in artifacts if a.key == "three-steps-step-metrics"]
     assert sorted(run.name for run in posted) == [f"log_step[step={s}]" for s in (1, 2, 3)]
