@@ -114,29 +114,39 @@ def _chunk_softmax_grads(logits: torch.Tensor, log_normalizer, grad_logprob, tem
     return (probs * (-grad_logprob / temperature).unsqueeze(-1)).to(logits.dtype)
 
 
-class _OnCudaCompiled:
-    """``fn`` compiled on CUDA tensors, eager elsewhere. Compiled, the chunk's float32 intermediates
-    (softmax, products) stay in registers: the 152k-wide logits are read a couple of times instead of
-    being copied to float32 and rewritten several times. On an H200 this cut the head's elementwise
-    GPU time per 64k-token step of a 0.5B model from ~250 ms to ~60 ms; the step's wall time did not
-    change, as it waits on kernel launches there."""
+class _CompiledOn:
+    """``fn`` compiled on ``device_type`` tensors (CUDA), eager elsewhere. Compiled, the chunk's float32
+    intermediates (softmax, products) stay in registers: the 152k-wide logits are read a couple of times
+    instead of being copied to float32 and rewritten several times. On an H200 this cut the head's
+    elementwise GPU time per 64k-token step of a 0.5B model from ~250 ms to ~60 ms; the step's wall time
+    did not change, as it waits on kernel launches there.
 
-    def __init__(self, fn) -> None:
+    One graph serves every chunk: rows are dynamic from the first call, while the vocabulary stays static
+    so that the reductions over it are tuned for it; and row vectors that are slices of longer ones
+    (labels, incoming gradients) are copied, as the graph would otherwise guard on where a slice starts.
+    Before, a process compiled each function three times (a full chunk, a shorter last one, and a
+    micro-batch whose only chunk starts at 0; TORCH_LOGS=recompiles on an H100).
+    """
+
+    def __init__(self, fn, device_type: str = "cuda") -> None:
         self._fn = fn
+        self._device_type = device_type
         self._compiled = None
 
     def __call__(self, logits: torch.Tensor, *args):
-        if not logits.is_cuda:
+        if logits.device.type != self._device_type:
             return self._fn(logits, *args)
         if self._compiled is None:
-            # Not dynamic=True: the vocabulary width stays static, so the reductions over it are tuned
-            # for it; the chunk's row count turns dynamic on its first change (the last chunk).
             self._compiled = torch.compile(self._fn)
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.storage_offset() else a for a in args)
+        for tensor in (logits, *args):
+            if isinstance(tensor, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         return self._compiled(logits, *args)
 
 
-_statistics = _OnCudaCompiled(_chunk_statistics)
-_softmax_grads = _OnCudaCompiled(_chunk_softmax_grads)
+_statistics = _CompiledOn(_chunk_statistics)
+_softmax_grads = _CompiledOn(_chunk_softmax_grads)
 
 
 class _ChunkLogprobs(torch.autograd.Function):
