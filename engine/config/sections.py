@@ -248,8 +248,7 @@ class TrainWorkerConfig(Frozen):
         "layers",
         description="With compile: each decoder layer on its own (identical layers share one graph, except under layout "
         "shared_prefix, whose KV cache gives each layer its own; ~30 s of compile for a 0.5B model on an H200), or the "
-        "whole decoder as one graph (fewer host calls per step: 1.17x the "
-        "tokens/s of layers there, but ~6 min of compile).",
+        "whole decoder as one graph (fewer host calls per step: 1.17x the tokens/s of layers there, but ~6 min of compile).",
     )
     cuda_graphs: bool = Field(
         False,

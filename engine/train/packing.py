@@ -2,8 +2,7 @@
 
 Which sequences share a micro-batch is decided by the token budget (in order where the layout shares
 prompts; otherwise as few micro-batches as first-fit decreasing fills, with the tokens spread evenly
-across them). How the micro-batch is laid out for the model is a separate
-choice:
+across them). How the micro-batch is laid out for the model is a separate choice:
 
 - ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
   (``engine.train.varlen_attention``). No pad token is computed; the layout for GPUs.
@@ -88,7 +87,7 @@ def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bo
     together (as ``shared_prefix`` needs). Otherwise as many micro-batches as first-fit decreasing
     fills (fewer than in order, and less padding where rows are padded), holding like token counts:
     no short last micro-batch, whose length a compiled decoder layer would recompile for (inductor
-    guards its kernels on the length range it first saw; on H100 a cold recompile cost 8-12 s).
+    guards its kernels on the length range it first saw; on an H100 a cold recompile cost 6-12 s).
     """
     for sequence in sequences:
         if sequence.num_tokens > pack_max_length:
