@@ -101,26 +101,29 @@ def test_dense_packing_fills_fewer_micro_batches_than_packing_in_order():
     """Lengths 4, 6, 4, 2 in budgets of 8: in order they need three micro-batches, sorted two."""
     sequences = [TrainSequence([1] * n, [IGNORE] * n, [0.0] * n, [0.0] * n, prompt_length=1) for n in (4, 6, 4, 2)]
     assert pack(sequences, pack_max_length=8) == [[0], [1], [2, 3]]
-    assert pack(sequences, pack_max_length=8, keep_order=False) == [[1, 3], [0, 2]]
-    with pytest.raises(ValueError, match="exceeds pack_max_length=5"):
-        pack(sequences, pack_max_length=5, keep_order=False)
+    for fill in ("tightest", "even"):
+        assert pack(sequences, pack_max_length=8, fill=fill) == [[1, 3], [0, 2]]
+        with pytest.raises(ValueError, match="exceeds pack_max_length=5"):
+            pack(sequences, pack_max_length=5, fill=fill)
 
 
-def test_dense_packing_spreads_the_tokens_evenly_over_first_fit_decreasings_count():
+def test_even_packing_spreads_the_tokens_over_first_fit_decreasings_count():
     """256 GRPO-like sequences of 191-383 tokens (73,221 in all) in budgets of 8000: first-fit decreasing
-    fills nine and leaves 1,956 tokens to a tenth, a length a compiled layer recompiles for; the
-    tokens go evenly over the ten instead. Where spreading evenly would overflow a micro-batch, first-fit
-    decreasing's own packs."""
+    fills nine and leaves 1,956 tokens to a tenth, a length a compiled layer recompiles for; packed rows
+    (``even``) take the tokens evenly over the ten instead, while padded rows (``tightest``) keep like
+    lengths together. Where spreading evenly would overflow a micro-batch, first-fit decreasing's packs."""
     import random
 
     rng = random.Random(0)
     lengths = [rng.randint(191, 383) for _ in range(256)]
     sequences = [TrainSequence([1] * n, [IGNORE] * n, [0.0] * n, [0.0] * n, prompt_length=1) for n in lengths]
-    packs = pack(sequences, pack_max_length=8000, keep_order=False)
+    tight = [sum(lengths[i] for i in indices) for indices in pack(sequences, pack_max_length=8000, fill="tightest")]
+    assert len(tight) == 10 and min(tight) == 1956
+    packs = pack(sequences, pack_max_length=8000, fill="even")
     loads = [sum(lengths[i] for i in indices) for indices in packs]
     assert len(packs) == math.ceil(sum(lengths) / 8000) == 10
     assert sorted(i for indices in packs for i in indices) == list(range(256))
     assert max(loads) <= 8000 and min(loads) >= sum(lengths) // 10 - max(lengths)
 
     uneven = [TrainSequence([1] * n, [IGNORE] * n, [0.0] * n, [0.0] * n, prompt_length=1) for n in (4, 3, 3, 3, 3, 2, 2)]
-    assert pack(uneven, pack_max_length=10, keep_order=False) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert pack(uneven, pack_max_length=10, fill="even") == [[0, 1, 2], [3, 4, 5, 6]]

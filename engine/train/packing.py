@@ -1,8 +1,9 @@
 """Group training sequences into micro-batches of at most ``pack_max_length`` tokens, and lay them out.
 
 Which sequences share a micro-batch is decided by the token budget (in order where the layout shares
-prompts; otherwise as few micro-batches as first-fit decreasing fills, with the tokens spread evenly
-across them). How the micro-batch is laid out for the model is a separate choice:
+prompts; otherwise as few micro-batches as first-fit decreasing fills: its own packs for padded rows,
+the tokens spread evenly over them for packed ones). How the micro-batch is laid out for the model is
+a separate choice:
 
 - ``to_packed``: the sequences end to end in one row, attention kept inside each sequence
   (``engine.train.varlen_attention``). No pad token is computed; the layout for GPUs.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields, replace
-from typing import Self
+from typing import Literal, Self
 
 import torch
 
@@ -80,14 +81,21 @@ def label_index(labels_NL: torch.Tensor) -> torch.Tensor:
     return (labels_NL.flatten() != IGNORE).nonzero().squeeze(1)
 
 
-def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bool = True) -> list[list[int]]:
+Fill = Literal["in_order", "tightest", "even"]
+
+
+def pack(sequences: list[TrainSequence], pack_max_length: int, *, fill: Fill = "in_order") -> list[list[int]]:
     """Indices of ``sequences`` per micro-batch, each holding at most ``pack_max_length`` tokens.
 
-    keep_order: fill one micro-batch after another in the given order, so that a group's samples stay
-    together (as ``shared_prefix`` needs). Otherwise as many micro-batches as first-fit decreasing
-    fills (fewer than in order, and less padding where rows are padded), holding like token counts:
-    no short last micro-batch, whose length a compiled decoder layer would recompile for (inductor
-    guards its kernels on the length range it first saw; on an H100 a cold recompile cost 6-12 s).
+    fill:
+    - ``in_order``: one micro-batch after another in the given order, so that a group's samples stay
+      together (as ``shared_prefix`` needs);
+    - ``tightest``: first-fit decreasing, longest first: fewer micro-batches than in order, and like
+      lengths together, so padded rows carry little padding;
+    - ``even``: first-fit decreasing's count of micro-batches, the tokens spread evenly over them, for
+      packed rows (which hold no padding): no short last micro-batch, whose length a compiled decoder
+      layer would recompile for (inductor guards its kernels on the length range it first saw; on an
+      H100 a cold recompile cost 6-12 s).
     """
     for sequence in sequences:
         if sequence.num_tokens > pack_max_length:
@@ -95,9 +103,8 @@ def pack(sequences: list[TrainSequence], pack_max_length: int, *, keep_order: bo
                 f"A sequence of {sequence.num_tokens} tokens exceeds pack_max_length={pack_max_length}; "
                 "raise train_worker.pack_max_length or lower max_prompt_length / max_new_tokens."
             )
-    if keep_order:
-        return _fill_in_order(sequences, pack_max_length)
-    return _balanced(sequences, pack_max_length)
+    fills = {"in_order": _fill_in_order, "tightest": _first_fit_decreasing, "even": _even}
+    return fills[fill](sequences, pack_max_length)
 
 
 def split_by_tokens(sequences: list[TrainSequence], parts: int) -> list[list[int]]:
@@ -157,7 +164,7 @@ def _first_fit_decreasing(sequences: list[TrainSequence], pack_max_length: int) 
     return [sorted(indices) for indices in packs]
 
 
-def _balanced(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
+def _even(sequences: list[TrainSequence], pack_max_length: int) -> list[list[int]]:
     """First-fit decreasing's number of micro-batches, each sequence (longest first) going to the one
     with the fewest tokens so far; first-fit decreasing's own packs where that overflows one."""
     tight = _first_fit_decreasing(sequences, pack_max_length)

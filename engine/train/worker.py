@@ -202,7 +202,7 @@ class TrainingWorker:
         lay_out = LAYOUTS[layout]
         if layout == "packed" and self._cuda_graphs:
             lay_out = functools.partial(to_packed, row_length=budget)
-        packs = pack(sequences, budget, keep_order=layout == "shared_prefix")
+        packs = pack(sequences, budget, fill={"shared_prefix": "in_order", "packed": "even"}.get(layout, "tightest"))
         batches = [lay_out(sequences, indices, self._pad_id) for indices in packs]
         if self.vision is not None:
             images = self._image_table(sequences)
