@@ -18,6 +18,19 @@ from trellis.engine.config.loading import load_config
 from trellis.engine.parquet_reads import read_parquet
 
 
+def worker_config(tiny_model, reverse_data, **changes):
+    """A training worker's config on the session's tiny model: 16 prompts, batches of 8, four steps."""
+    return load_config(
+        None,
+        load_from=str(tiny_model),
+        train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
+        total_train_steps=4,
+        train_batch_size=8,
+        **changes,
+    )
+
+
 def tiny_config(tiny_model, reverse_data, work_dir, **changes):
     """The example config on the session's tiny model: 16 prompts x 8 samples per step."""
     base = dict(

@@ -1,6 +1,5 @@
 """The training worker really trains: parameters move, options take effect, a step is never applied twice."""
 
-import logging
 import math
 from dataclasses import replace
 
@@ -8,7 +7,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trellis.engine.config.loading import load_config
 from trellis.engine.storage.store import Store
 from trellis.engine.data.prompts import load_prompts
 from trellis.engine.train.logprob_head import batch_logprobs, output_head
@@ -21,26 +19,14 @@ from trellis.engine.rollout.rewards.runner import RewardRunner
 from trellis.engine.rollout.backends.transformers_backend import TransformersRollout
 from trellis.engine.train.worker import LAYOUTS, enable_activation_checkpointing, StepAlreadyApplied, TrainingWorker, lr_factor
 from trellis.engine.train.varlen_attention import use_varlen_attention
-from trellis.engine.train.compile import auto_compile_blocker, compile_decoder
+from helpers import worker_config
 from teacher_forcing import teacher_forced_gaps
-
-
-def _config(tiny_model, reverse_data, **changes):
-    return load_config(
-        None,
-        load_from=str(tiny_model),
-        train_dataset={"path": str(reverse_data["train"]), "limit": 16, "max_prompt_length": 64},
-        reward={"function": "trellis.engine.tiny.reverse_task:score"},
-        total_train_steps=4,
-        train_batch_size=8,
-        **changes,
-    )
 
 
 @pytest.fixture(scope="module")
 def rollout_batch(tiny_model, reverse_data):
     """One real batch: 16 prompts x 8 samples from the tiny model, scored by the task's reward."""
-    config = _config(tiny_model, reverse_data)
+    config = worker_config(tiny_model, reverse_data)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     prompts, _ = load_prompts(config.train_dataset, tokenizer)
     with RewardRunner(config.reward) as rewards:
@@ -67,7 +53,7 @@ def _fit(config, groups, pad_id, step=1):
 def test_every_parameter_changes_and_metrics_are_reported(tiny_model, reverse_data, rollout_batch):
     groups, pad_id = rollout_batch
     assert any(len({s.reward for s in g}) > 1 for g in groups), "the batch needs a group with signal"
-    worker, before, result = _fit(_config(tiny_model, reverse_data), groups, pad_id)
+    worker, before, result = _fit(worker_config(tiny_model, reverse_data), groups, pad_id)
     unchanged = [n for n, p in worker.model.named_parameters() if torch.equal(p, before[n])]
     assert unchanged == []
     metrics = result.metrics
@@ -85,7 +71,7 @@ def test_the_mismatch_metrics_measure_a_known_gap_between_trainer_and_rollout(ti
     groups, pad_id = rollout_batch
     gap = 0.5
     shifted = [[replace(s, logprobs=[lp - gap for lp in s.logprobs]) for s in group] for group in groups]
-    _, _, result = _fit(_config(tiny_model, reverse_data), shifted, pad_id)
+    _, _, result = _fit(worker_config(tiny_model, reverse_data), shifted, pad_id)
     metrics = result.metrics
     assert metrics["mismatch/k3_kl"] == pytest.approx(math.exp(gap) - 1 - gap, abs=2e-3)
     assert metrics["mismatch/abs_logprob_diff"] == pytest.approx(gap, abs=2e-3)
@@ -95,7 +81,7 @@ def test_the_mismatch_metrics_measure_a_known_gap_between_trainer_and_rollout(ti
 
 def test_a_step_is_never_applied_twice(tiny_model, reverse_data, rollout_batch):
     groups, pad_id = rollout_batch
-    config = _config(tiny_model, reverse_data)
+    config = worker_config(tiny_model, reverse_data)
     worker, _, _ = _fit(config, groups, pad_id, step=1)
     with pytest.raises(StepAlreadyApplied, match="Step 1 is already applied"):
         worker.fit(prepare_train_data(groups, config.advantage, shuffle=False, seed=0), 1)
@@ -131,7 +117,7 @@ def test_several_mini_batches_clip_kl_and_is_correction(tiny_model, reverse_data
     Tried: IS weights left out of the loss (``policy_objective`` ignoring ``is_weights_NL``), and the
     mask mode's lower bound dropped (``rejected = weights > config.upper``): both fail it."""
     groups, pad_id = rollout_batch
-    config = _config(
+    config = worker_config(
         tiny_model,
         reverse_data,
         train_worker={"optimizer_steps": 4, "pack_max_length": 256},
@@ -169,7 +155,7 @@ def test_several_mini_batches_clip_kl_and_is_correction(tiny_model, reverse_data
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
 def test_other_loss_aggregations_train(tiny_model, reverse_data, rollout_batch, mode):
     groups, pad_id = rollout_batch
-    worker, before, result = _fit(_config(tiny_model, reverse_data, loss={"aggregation": mode}), groups, pad_id)
+    worker, before, result = _fit(worker_config(tiny_model, reverse_data, loss={"aggregation": mode}), groups, pad_id)
     assert result.metrics["grad_norm"] > 0
     assert not torch.equal(worker.model.model.embed_tokens.weight, before["model.embed_tokens.weight"])
 
@@ -180,7 +166,7 @@ def test_exported_weights_load_into_the_rollout_backend(tiny_model, reverse_data
     Tried: ``TransformersRollout.load_weights`` loading nothing (``strict=False`` with an empty state
     dict), or all but the norm weights, fails it, where the old check of the version number passed."""
     groups, pad_id = rollout_batch
-    worker, before, _ = _fit(_config(tiny_model, reverse_data, optim={"lr": 1e-2}), groups, pad_id)
+    worker, before, _ = _fit(worker_config(tiny_model, reverse_data, optim={"lr": 1e-2}), groups, pad_id)
     exported = {name: tensor.detach().clone() for name, tensor in worker.export_weights().items()}
     backend = TransformersRollout(str(tiny_model), AutoTokenizer.from_pretrained(tiny_model))
     backend.load_weights(worker.export_weights(), policy_version=1)
@@ -225,7 +211,7 @@ def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, r
     and a packed row filled to a fixed shape (a pad sequence and empty ones, as CUDA graphs need)
     change the compute, not the math."""
     groups, pad_id = rollout_batch
-    config = _config(tiny_model, reverse_data)
+    config = worker_config(tiny_model, reverse_data)
     sequences = prepare_train_data(groups, config.advantage, shuffle=True, seed=1).sequences
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     expected_lp, expected_grad = _full_logits_reference(model, sequences, pad_id)
@@ -253,7 +239,7 @@ def test_every_layout_gives_the_full_logits_logprobs_and_gradients(tiny_model, r
 
 def test_packed_rows_hold_no_padding(rollout_batch, tiny_model, reverse_data):
     groups, pad_id = rollout_batch
-    sequences = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
+    sequences = prepare_train_data(groups, worker_config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
     batch = to_packed(sequences, [0, 1, 2], pad_id)
     lengths = [sequences[i].num_tokens for i in (0, 1, 2)]
     assert batch.input_ids_1T.shape == (1, sum(lengths))
@@ -264,7 +250,7 @@ def test_packed_rows_hold_no_padding(rollout_batch, tiny_model, reverse_data):
 
 def test_a_fixed_shape_row_fills_with_one_pad_sequence_and_empty_ones(rollout_batch, tiny_model, reverse_data):
     groups, pad_id = rollout_batch
-    sequences = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
+    sequences = prepare_train_data(groups, worker_config(tiny_model, reverse_data).advantage, shuffle=False, seed=0).sequences
     lengths = [sequences[i].num_tokens for i in (0, 1, 2)]
     batch = to_packed(sequences, [0, 1, 2], pad_id, row_length=200)
     assert batch.input_ids_1T.shape == batch.position_ids_1T.shape == (1, 200) and batch.max_length == 200
@@ -279,7 +265,7 @@ def test_a_fixed_shape_row_fills_with_one_pad_sequence_and_empty_ones(rollout_ba
 def test_flash_attention_4_where_it_cannot_run_is_refused_before_training(tiny_model, reverse_data):
     """Asked for FA4 on this CPU-only machine (packed rows, which would otherwise run here), the worker
     says why it cannot run and what to set instead, rather than silently using another kernel."""
-    config = _config(tiny_model, reverse_data, train_worker={"attention_kernel": "fa4", "layout": "packed"})
+    config = worker_config(tiny_model, reverse_data, train_worker={"attention_kernel": "fa4", "layout": "packed"})
     with pytest.raises(ValueError, match="attention_kernel: fa4 cannot run here: it runs on CUDA GPUs and the trainer runs on cpu"):
         TrainingWorker(config, total_train_steps=4, pad_token_id=0)
 
@@ -309,10 +295,10 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
         train_worker={"optimizer_steps": 2, "layout": "packed", "logprob_chunk_tokens": 64},
         loss={"kl_coef": 0.1},
     )
-    batch = prepare_train_data(groups, _config(tiny_model, reverse_data).advantage, shuffle=False, seed=0)
+    batch = prepare_train_data(groups, worker_config(tiny_model, reverse_data).advantage, shuffle=False, seed=0)
     workers = {}
     for fsdp in (False, True):
-        config = _config(tiny_model, reverse_data, **{**changes, "train_worker": {**changes["train_worker"], "fsdp": fsdp}})
+        config = worker_config(tiny_model, reverse_data, **{**changes, "train_worker": {**changes["train_worker"], "fsdp": fsdp}})
         workers[fsdp] = TrainingWorker(config, total_train_steps=4, pad_token_id=pad_id)
         workers[fsdp].result = workers[fsdp].fit(batch, 1).metrics
     plain, sharded = workers[False], workers[True]
@@ -334,71 +320,3 @@ def test_fsdp2_at_world_size_one_trains_and_checkpoints_like_the_plain_worker(ti
     sharded.export_hf(Store(str(tmp_path / "hf")), str(tiny_model))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(exported.model.embed_tokens.weight, sharded_weights["model.embed_tokens.weight"])
-
-
-def test_compile_auto_compiles_the_measured_case_only_and_says_why_not(tiny_model, reverse_data):
-    """auto compiles a dense text policy in packed rows on one CUDA GPU (measured to gain) and names
-    every reason it leaves a policy eager; on this CPU machine the default worker stays eager."""
-    cuda = torch.device("cuda")
-    measured = {"device": cuda, "layout": "packed", "fsdp": False, "lora": False, "moe": False, "vision": False}
-    assert auto_compile_blocker(**measured) is None
-    for change, reason in [({"device": torch.device("cpu")}, "runs on cpu"), ({"layout": "padded"}, "layout is padded"),
-                           ({"fsdp": True}, "sharded"), ({"lora": True}, "LoRA"), ({"moe": True}, "mixture of experts"),
-                           ({"vision": True}, "vision-language")]:
-        assert reason in auto_compile_blocker(**{**measured, **change}), change
-    worker = TrainingWorker(_config(tiny_model, reverse_data), total_train_steps=4, pad_token_id=0)
-    assert worker.config.train_worker.compile == "auto" and not worker.compiled
-    assert all(layer._compiled_call_impl is None for layer in worker.model.get_decoder().layers)
-
-
-def test_compiling_the_shared_prefix_layout_warns_that_each_layer_compiles_on_its_own(tiny_model, reverse_data, caplog):
-    """compile: true with layout shared_prefix (the CPU's auto layout): the KV cache passed into each layer
-    gives every layer graphs of its own; with 12 layers torch hit its recompile limit of 8 and ran the rest
-    eager (tried on CPU), so the worker says so. packed compiles one graph for every layer, silently."""
-    for layout, warned in (("shared_prefix", True), ("packed", False)):
-        caplog.clear()
-        config = _config(tiny_model, reverse_data, train_worker={"compile": True, "layout": layout})
-        with caplog.at_level(logging.WARNING, logger="trellis.engine.train.compile"):
-            worker = TrainingWorker(config, total_train_steps=4, pad_token_id=0)
-        assert worker.compiled
-        assert ("each layer compiles graphs of its own" in caplog.text) is warned, layout
-
-
-def test_the_attestation_canary_runs_eager_on_compiled_layers(tiny_model, reverse_data):
-    """The trainer's side of a weight attestation, a 31-token no-grad forward, would compile graphs of its own
-    on compiled layers (on a cold GPU, seconds at the first sync); it runs eager there and scores as an
-    eager worker does. Tried: a compiled worker's canary, with dynamo's compile counter before and after."""
-    from torch._dynamo.utils import counters
-
-    tokens = list(range(5, 37))
-    eager = TrainingWorker(_config(tiny_model, reverse_data, train_worker={"compile": False}), total_train_steps=4, pad_token_id=0)
-    compiled = TrainingWorker(_config(tiny_model, reverse_data, train_worker={"compile": True, "layout": "packed"}),
-                              total_train_steps=4, pad_token_id=0)
-    assert compiled.compiled
-    frames = counters["frames"]["total"]
-    assert compiled.canary_logprobs(tokens) == pytest.approx(eager.canary_logprobs(tokens), abs=1e-4)
-    assert counters["frames"]["total"] == frames, "the canary's forward compiled"
-
-
-def test_a_layer_that_fails_to_compile_runs_eager_under_auto_and_stops_the_fit_when_compile_is_true(tiny_model, monkeypatch):
-    """A compiler that raises stands for one that cannot handle the model: under auto's fallback the
-    layers run eager and give the eager logits; without it (compile: true) the error reaches the caller."""
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # restored after the test
-    calls = []
-
-    def failing_compiler(graph, example_inputs):
-        calls.append(graph)
-        raise RuntimeError("this compiler cannot build the graph")
-
-    inputs = torch.tensor([[5, 6, 7, 8, 9]])
-    expected = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=inputs).logits
-    for fall_back in (True, False):
-        torch._dynamo.reset()
-        model = AutoModelForCausalLM.from_pretrained(tiny_model)
-        compile_decoder(model, "layers", fall_back_to_eager=fall_back, backend=failing_compiler)
-        if fall_back:
-            torch.testing.assert_close(model(input_ids=inputs).logits, expected)
-            assert calls, "the compiler was never tried"
-        else:
-            with pytest.raises(Exception, match="this compiler cannot build the graph"):
-                model(input_ids=inputs)
