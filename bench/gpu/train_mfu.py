@@ -70,8 +70,9 @@ def grpo_batch(total_tokens: int, vocab: int, seed: int = 0, shape: str = "grpo"
     group, lengths = (8, (64, 1536)) if shape == "grpo" else (1, (PACK - 128, PACK - 128))
     used = 0
     while used < total_tokens:
-        sequences += grpo_group(rng, vocab, group, lengths)
-        used = sum(seq.num_tokens for seq in sequences)
+        drawn = grpo_group(rng, vocab, group, lengths)
+        sequences += drawn
+        used += sum(seq.num_tokens for seq in drawn)
     return sequences
 
 
