@@ -20,6 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
+import rollout_host
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -113,6 +114,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--routing-replay", choices=("none", "r2", "r3"), default="none", help="MoE: train_worker.routing_replay")
     parser.add_argument("--return-routed-experts", action="store_true", help="MoE: rollout.return_routed_experts (router agreement)")
     parser.add_argument("--attest", choices=("default", "on", "off"), default="default", help="attest.enabled (default: the config's)")
+    parser.add_argument("--probe-rollout", action="store_true",
+                        help="vLLM: record where each rollout's host time goes (rollout_host.py) and the GPU's busy time")
 
 
 def vllm_child_env() -> dict[str, str]:
@@ -134,7 +137,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--shape", args.shape, "--lora", str(args.lora), "--lora-sync", args.lora_sync, "--quantization", args.quantization]
     argv += ["--torch-threads", str(args.torch_threads)] if args.torch_threads is not None else []
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
-    argv += ["--attest", getattr(args, "attest", "default")]
+    argv += ["--attest", getattr(args, "attest", "default")] + (["--probe-rollout"] if getattr(args, "probe_rollout", False) else [])
     compile_flag = {True: ["--compile"], False: ["--no-compile"]}.get(args.compile, [])
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + compile_flag
 
@@ -166,10 +169,12 @@ def main() -> None:
     config = step_config(work, args)
     reports, starts = [], []
     with LocalRun(config, track=args.track) as run:
+        probed = rollout_host.install(run.backend) if args.probe_rollout else None
         for _ in range(args.steps):
             starts.append(time.perf_counter())
             reports.append(run.train_step().metrics)
             print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
+        host = rollout_host.records(run.backend) if args.probe_rollout else None
     steady = reports[args.warmup:]
     on_gpu = torch.cuda.is_available()
     summary = {
@@ -187,6 +192,8 @@ def main() -> None:
         "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "steps": reports,
     }
+    if args.probe_rollout:  # every step's rollout, the warm-up's included
+        summary["rollout_host"] = {"process": probed, "calls": host}
     summary["backend"] = args.backend
     summary["resident_trainer"] = args.resident_trainer
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}

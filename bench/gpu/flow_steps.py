@@ -43,6 +43,7 @@ from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E4
 use_lean_temporary_server()  # before Prefect is imported (below), which reads its client settings then
 
 import ray  # noqa: E402
+import rollout_host  # noqa: E402
 import torch  # noqa: E402
 from engine_steps import add_step_arguments, result_path, run_settings, step_argv, step_config, vllm_child_env  # noqa: E402
 from process_exit import exit_now  # noqa: E402
@@ -122,6 +123,8 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
         rl_train(config)
         warmup_run_s = time.perf_counter() - started  # the workers' start, model loads and compile included
         compiled = ray.get(RunWorkers(config).actor("trainer").call.remote(trainer_compiled))
+        rollout_actor = RunWorkers(config).actor("rollout")
+        probed = ray.get(rollout_actor.call.remote(rollout_host.install)) if args.probe_rollout else None
         since_s, total, measured = time.time(), WARMUP_STEPS, {True: [], False: []}
         for overlap in (True,) if args.early_launch_only else (True, False):
             total += args.steps
@@ -132,6 +135,7 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
         spans = busy_spans(ray.timeline(), WORKER_CALLS)
         lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
         records = {r["step"]: r for r in map(json.loads, lines)}
+        host = ray.get(rollout_actor.call.remote(rollout_host.records)) if args.probe_rollout else None
         sync = timed_sync(config)
         RunWorkers(config).release()
     modes = {}
@@ -151,6 +155,7 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
         "mismatch_k3": [records[s]["mismatch/k3_kl"] for s in every if "mismatch/k3_kl" in records[s]],
         "weight_sync_between_actors": sync,
         "steps": [records[s] for s in sorted(every)],
+        **({"rollout_host": {"process": probed, "calls": host}} if args.probe_rollout else {}),
     }
 
 
@@ -195,6 +200,9 @@ def main() -> None:
     parser.add_argument("--flow-only", action="store_true", help="no in-process runs (a peer bench compares the flow alone)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.probe_rollout:
+        ray.cloudpickle.register_pickle_by_value(rollout_host)  # the rollout actor has no bench/ on its path
+    gpu_busy = rollout_host.sample_gpu_busy(args.out / "gpu_busy.csv") if args.probe_rollout else None
     head, address = start_head(f"--num-gpus={torch.cuda.device_count()}")
     rounds = []
     try:  # the results are written before Ray shuts down: a late call into a shut-down Ray ends the process
@@ -210,6 +218,8 @@ def main() -> None:
         ray.shutdown()
         head.terminate()
         head.wait(timeout=60)
+        if gpu_busy is not None:
+            gpu_busy.terminate()
 
 
 def write_summary(args: argparse.Namespace, rounds: list[dict]) -> None:
@@ -239,6 +249,13 @@ def write_summary(args: argparse.Namespace, rounds: list[dict]) -> None:
         summary.update(against_in_process(rounds, default))
     print(json.dumps({k: v for k, v in summary.items() if not k.endswith("steps_s")}, indent=1), flush=True)
     summary["flow_steps"] = [step for r in rounds for step in r["flow"]["steps"]]
+    if args.probe_rollout:
+        busy = rollout_host.read_gpu_busy(args.out / "gpu_busy.csv")
+        summary["rollout_host"] = {
+            "flow": [rollout_host.with_gpu_busy(r["flow"]["rollout_host"], busy) for r in rounds],
+            "in_process": [rollout_host.with_gpu_busy(r["in_process"]["rollout_host"], busy)
+                           for r in rounds if r["in_process"] and "rollout_host" in r["in_process"]],
+        }
     (args.out / f"flow_steps_{args.backend}.json").write_text(json.dumps(summary, indent=1))
 
 
