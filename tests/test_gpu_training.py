@@ -1,5 +1,7 @@
 """The GPU training path: varlen flash attention, packed layout and FSDP2 under bf16 (H200; skipped in CI)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,7 +74,7 @@ def _sequences(vocab: int) -> list[TrainSequence]:
     return sequences
 
 
-def _gpu_worker(tiny_model, reverse_data, **worker_options) -> TrainingWorker:
+def _gpu_worker(tiny_model, reverse_data, rollout: dict | None = None, **worker_options) -> TrainingWorker:
     """A trainer of the tiny model on the GPU for three steps, 128-token packs, with these train_worker options."""
     config = load_config(
         None,
@@ -81,6 +83,7 @@ def _gpu_worker(tiny_model, reverse_data, **worker_options) -> TrainingWorker:
         reward={"function": "trellis.engine.tiny.reverse_task:score"},
         total_train_steps=3,
         train_worker={"device": "cuda", "pack_max_length": 128, **worker_options},
+        rollout=rollout or {},
     )
     return TrainingWorker(config, total_train_steps=3, pad_token_id=0)
 
@@ -130,6 +133,21 @@ def test_compiled_layers_train_alike_when_the_trainer_is_offloaded_between_steps
     for step, (offloaded, resident) in enumerate(zip(metrics[True], metrics[False]), start=1):
         for key in ("pg_loss", "entropy", "mismatch/train_ppl"):
             assert offloaded[key] == pytest.approx(resident[key], rel=1e-3), (step, key)
+
+
+def test_auto_offload_keeps_the_trainer_on_the_gpu_where_the_engines_share_fits(tiny_model, reverse_data):
+    """offload_when_idle: auto (the default) beside a vLLM engine taking 30% of the GPU: the tiny trainer keeps
+    its weights and AdamW state there; beside one taking 99%, they go to the CPU and come back for the next fit."""
+    for share, idle_device in ((0.3, "cuda"), (0.99, "cpu")):
+        worker = _gpu_worker(tiny_model, reverse_data, rollout={"backend": "vllm", "gpu_memory_utilization": share})
+        batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
+        worker.fit(batch, 1)
+        worker.offload()
+        assert next(worker.model.parameters()).device.type == idle_device, share
+        assert {s.device.type for state in worker.optimizer.state.values() for k, s in state.items() if k != "step"} == {idle_device}
+        worker.onload()
+        assert next(worker.model.parameters()).device.type == "cuda"
+        assert math.isfinite(worker.fit(batch, 2).metrics["pg_loss"])
 
 
 def test_compiled_head_equals_full_logits_autograd():

@@ -24,13 +24,17 @@ class RolloutBackendTraits:
     returns_routed_experts: bool
     # Generates with FP8 weights re-quantized at every sync (rollout.quantization).
     quantizes_fp8: bool = False
+    # Takes a fixed share of its GPU when awake (rollout.gpu_memory_utilization), so a colocated trainer
+    # can tell whether it fits beside it (train_worker.offload_when_idle: auto).
+    reserves_gpu_share: bool = False
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendTraits] = {
     "transformers": RolloutBackendTraits(needs_gpu=False, supports_abort=True, exports_served_weights=True, returns_routed_experts=True),
     "vllm": RolloutBackendTraits(needs_gpu=True, supports_abort=True, exports_served_weights=False,
                                  returns_routed_experts=True,  # vLLM >= 0.26: enable_return_routed_experts
-                                 quantizes_fp8=True),  # vLLM >= 0.26: layerwise reload of online-quantized weights
+                                 quantizes_fp8=True,  # vLLM >= 0.26: layerwise reload of online-quantized weights
+                                 reserves_gpu_share=True),
 }
 
 

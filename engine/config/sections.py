@@ -266,11 +266,22 @@ class TrainWorkerConfig(Frozen):
         "so it keeps learning. Prompt tokens and responses without a recorded routing route normally (counted as "
         "router/fallback_sequences). The shared_prefix layout gives way to padded rows while replaying.",
     )
-    offload_when_idle: bool = Field(
-        True,
-        description="Colocated: move weights and AdamW state to CPU while the rollout runs (as XTuner does). "
-        "False keeps them on the GPU when it has room for both, which saves two host transfers per step.",
+    offload_when_idle: Literal["auto"] | bool = Field(
+        "auto",
+        description="Colocated on a GPU: true moves the weights and AdamW state to CPU while the rollout runs (as "
+        "XTuner does), false keeps them on the GPU. auto keeps them there when the GPU holds them and the rollout "
+        "engine's share (rollout.gpu_memory_utilization) at once, decided at every hand-over; this saves two host "
+        "transfers per step. A rollout backend without a fixed share (transformers on the GPU) gets the GPU alone.",
     )
+
+    @field_validator("offload_when_idle", mode="before")
+    @classmethod
+    def _check_offload_when_idle(cls, value: Any) -> Any:
+        if value == "auto" or isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"{value!r}: give auto, true or false")
 
     @model_validator(mode="after")
     def _check_layout(self) -> TrainWorkerConfig:

@@ -28,6 +28,7 @@ from trellis.engine.moe.routers import moe_shape
 from trellis.engine.storage.store import Store
 from trellis.engine.train import fsdp, worker_checkpoint
 from trellis.engine.train.compile import compile_policy
+from trellis.engine.train.idle_memory import IdleMemory
 from trellis.engine.train.logprob_head import Policy, output_head
 from trellis.engine.train.lora import PolicyAdapters, is_adapter_name
 from trellis.engine.train.moe_routing import TrainerRouting
@@ -71,6 +72,7 @@ class TrainingWorker:
     def __init__(self, config: TrellisConfig, *, total_train_steps: int, pad_token_id: int) -> None:
         self.config = config
         self.device = resolve_device(config.train_worker.device)
+        self.idle = IdleMemory(config, self.device)  # where the weights wait while the rollout runs
         worker = config.train_worker
         bf16 = self.device.type == "cuda" and worker.dtype in ("auto", "bfloat16")
         # Several trainer ranks (a process group started by the caller) always shard the model.
@@ -372,24 +374,12 @@ class TrainingWorker:
         worker_checkpoint.export_hf(self, target, tokenizer_source)
 
     def offload(self) -> None:
-        """Move parameters and optimizer state to CPU (a no-op on CPU, or with offload_when_idle off), and
-        give the memory the last fit cached (its activations: tens of GB for a 7B model) back to the GPU."""
-        if self.config.train_worker.offload_when_idle:
-            self._move(torch.device("cpu"))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """The colocated hand-over to the rollout (``engine.train.idle_memory``): the last fit's cached memory
+        goes back to the GPU, and the weights and optimizer state to CPU where ``offload_when_idle`` says."""
+        self.idle.offload(self.policy, self.optimizer)
 
     def onload(self) -> None:
-        self._move(self.device)
-
-    def _move(self, device: torch.device) -> None:
-        if self.device.type == "cpu":
-            return
-        self.policy.to(device)  # the FSDP root, which re-registers its sharded parameters after the move
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
+        self.idle.onload(self.policy, self.optimizer)
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:

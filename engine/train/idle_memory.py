@@ -1,0 +1,84 @@
+"""Whether a colocated trainer leaves its GPU while the rollout runs (``train_worker.offload_when_idle``).
+
+Moving the weights and AdamW state to the CPU and back costs two host transfers of ~12 bytes a parameter
+every step; XTuner's colocated trainer always pays them, TRL's and verl's default trainers never do.
+``auto`` pays them only where the GPU cannot hold the trainer and the rollout engine at once. It decides
+at every hand-over to the rollout, from what the device has free then (the trainer's activations already
+given back, the engine asleep): the trainer stays when the engine's share of the GPU
+(``rollout.gpu_memory_utilization`` for vLLM) fits in that free memory with a margin. A backend without a
+fixed share (transformers generating on the GPU) always gets the GPU to itself, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trellis.engine.config import TrellisConfig
+from trellis.engine.config.backends import backend_traits
+
+logger = logging.getLogger(__name__)
+
+# Of the GPU's memory, kept free beyond the engine's share: what its wake-up maps on top of its share
+# (vLLM's allocator rounds to 2 MiB granules, CUDA graph pools) and what the step's other allocations need.
+HEADROOM = 0.04
+
+
+def rollout_share(config: TrellisConfig) -> float | None:
+    """The fraction of its GPU the colocated rollout engine takes awake; None where it has no fixed one."""
+    if config.disaggregated or not backend_traits(config.rollout.backend).reserves_gpu_share:
+        return None
+    return config.rollout.gpu_memory_utilization
+
+
+def stays_on_gpu(setting: bool | str, *, free_bytes: int, total_bytes: int, share: float | None) -> bool:
+    """Whether the trainer keeps its weights and optimizer state on the GPU while the rollout runs.
+    ``setting``: ``train_worker.offload_when_idle``; ``free_bytes``: what the device has free now, the
+    trainer's own memory still held."""
+    if setting != "auto":
+        return not setting
+    if share is None:
+        return False
+    return free_bytes >= (share + HEADROOM) * total_bytes
+
+
+class IdleMemory:
+    """A trainer's side of the colocated hand-over: where its weights and optimizer state wait while the
+    rollout runs, decided at every ``offload`` and said in the log when it changes."""
+
+    def __init__(self, config: TrellisConfig, device: torch.device) -> None:
+        self._setting = config.train_worker.offload_when_idle
+        self._share = rollout_share(config)
+        self._device = device
+        self.stays_on_gpu: bool | None = None  # the last decision; None before the first, and on the CPU
+
+    def offload(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Gives the memory the last fit cached (its activations: tens of GB for a 7B model) back to the
+        GPU, then moves the weights and optimizer state to CPU unless they stay. A no-op on the CPU."""
+        if self._device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self._device)
+        stays = stays_on_gpu(self._setting, free_bytes=free, total_bytes=total, share=self._share)
+        if self._setting == "auto" and stays != self.stays_on_gpu:
+            share = "no fixed share of it" if self._share is None else f"{self._share:.0%} of it"
+            logger.info("The trainer %s the GPU while the rollout runs: %.1f of %.1f GiB free, the rollout engine takes %s.",
+                        "keeps its weights and optimizer state on" if stays else "moves its weights and optimizer state off",
+                        free / 2**30, total / 2**30, share)
+        self.stays_on_gpu = stays
+        if not stays:
+            move_training_state(policy, optimizer, torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._device.type != "cpu":
+            move_training_state(policy, optimizer, self._device)
+
+
+def move_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    policy.to(device)  # the FSDP root, which re-registers its sharded parameters after the move
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
