@@ -76,7 +76,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         total_train_steps=args.steps,
         train_batch_size=args.prompts,
         prompt_repeat_k=args.group,
-        train_worker={"pack_max_length": 8192, "offload_when_idle": not args.resident_trainer, "compile": args.compile,
+        train_worker={"pack_max_length": 8192, "offload_when_idle": False if args.resident_trainer else args.offload, "compile": args.compile,
                       "routing_replay": args.routing_replay},
         work_dir=str(work / "runs"),
         exp_tracker="jsonl",
@@ -101,6 +101,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
+    parser.add_argument("--offload", choices=("auto", "true", "false"), default="auto",
+                        help="train_worker.offload_when_idle (default auto, trellis's; --resident-trainer: false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
                         help="train_worker.compile true (--compile) or false (--no-compile); neither: auto, the default")
     parser.add_argument("--vllm-memory", type=float, default=0.4, help="rollout.gpu_memory_utilization")
@@ -139,6 +141,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     argv += ["--attest", getattr(args, "attest", "default")] + (["--probe-rollout"] if getattr(args, "probe_rollout", False) else [])
     compile_flag = {True: ["--compile"], False: ["--no-compile"]}.get(args.compile, [])
+    argv += ["--offload", getattr(args, "offload", "auto")]
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + compile_flag
 
 
@@ -175,6 +178,7 @@ def main() -> None:
             reports.append(run.train_step().metrics)
             print({k: round(v, 3) for k, v in reports[-1].items() if k.startswith(("time/", "throughput/"))}, flush=True)
         host = rollout_host.records(run.backend) if args.probe_rollout else None
+        stays = run.worker.idle.stays_on_gpu  # what offload_when_idle decided last
     steady = reports[args.warmup:]
     on_gpu = torch.cuda.is_available()
     summary = {
@@ -196,6 +200,7 @@ def main() -> None:
         summary["rollout_host"] = {"process": probed, "calls": host}
     summary["backend"] = args.backend
     summary["resident_trainer"] = args.resident_trainer
+    summary["trainer_stays_on_gpu"] = stays
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
     summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
     result_path(args).write_text(json.dumps(summary, indent=1))

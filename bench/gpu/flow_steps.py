@@ -98,6 +98,11 @@ def trainer_compiled(worker) -> bool:
     return worker.compiled
 
 
+def trainer_stays_on_gpu(worker) -> bool | None:
+    """What the trainer's last hand-over to the rollout decided (``offload_when_idle``; None on CPU)."""
+    return worker.idle.stays_on_gpu
+
+
 def sync_bytes(worker) -> dict:
     """What a LoRA sync sends (the adapters, float32) against the merged weights in the rollout's bf16."""
     from trellis.engine.weights.lora import payload_bytes
@@ -136,6 +141,7 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
         lines = (Path(tmp) / "flow_bench" / "logs" / "metrics.jsonl").read_text().splitlines()
         records = {r["step"]: r for r in map(json.loads, lines)}
         host = ray.get(rollout_actor.call.remote(rollout_host.records)) if args.probe_rollout else None
+        stays = ray.get(RunWorkers(config).actor("trainer").call.remote(trainer_stays_on_gpu))
         sync = timed_sync(config)
         RunWorkers(config).release()
     modes = {}
@@ -148,7 +154,7 @@ def flow_round(args: argparse.Namespace, address: str) -> dict:
             }
     every = measured[True] + measured[False]
     return {
-        "settings": {**run_settings(config), "compiled": compiled},
+        "settings": {**run_settings(config), "compiled": compiled, "trainer_stays_on_gpu": stays},
         "warmup_run_s": warmup_run_s,
         "warmup_phases_s": {p: [records[s].get(p, 0.0) for s in range(1, WARMUP_STEPS + 1)] for p in PHASES},
         "modes": modes,

@@ -3,15 +3,17 @@
 Both train the same random Qwen2-0.5B-shaped model on the bundled task with the same batch: 32 prompts
 x 8 samples = 256 completions of up to 256 new tokens per optimizer step, fp32 master weights under
 bf16 autocast, no KL term, the same learning rate and temperature, vLLM for generation with the same
-``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident (no sleep
-mode, no offload), the same torch threads (``--torch-threads``) in every process that computes. The
+``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident (TRL: no
+sleep mode; trellis: its default, which keeps the trainer where the GPU holds both; trellis's vLLM still
+sleeps while it trains), the same torch threads (``--torch-threads``) in every process that computes. The
 contestants:
 
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,
   ``vllm_enable_sleep_mode=False``, ``gradient_checkpointing=False`` (TRL's GRPO default recomputes
   activations; trellis's does not), not compiled (TRL's default), in a child process;
-- ``trellis``: ``flow_steps.py --backend vllm --resident-trainer --early-launch-only --flow-only`` with
-  trellis's default ``train_worker.compile: auto`` (compiled decoder layers on a GPU): the Prefect flow
+- ``trellis``: ``flow_steps.py --backend vllm --early-launch-only --flow-only`` with trellis's defaults:
+  ``train_worker.compile: auto`` (compiled decoder layers on a GPU), ``offload_when_idle: auto`` (the
+  trainer stays on the GPU beside vLLM's share, read back from the trainer), the Prefect flow
   on a fresh local Ray cluster (trainer and rollout actors sharing the GPU); flow_steps.py compares it
   with the in-process step on its own;
 - ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``.
@@ -134,7 +136,7 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
 def trellis_contestant(args: argparse.Namespace, round_: int, name: str) -> dict:
     out = args.out / f"{name.replace('-', '_')}_{round_}"
     step = shared(args)
-    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--resident-trainer", "--early-launch-only", "--flow-only",
+    command = [sys.executable, str(HERE / "flow_steps.py"), str(out), "--early-launch-only", "--flow-only",
                "--backend", "transformers" if args.smoke else "vllm", "--steps", str(args.steps - WARMUP_STEPS + 1), "--rounds", "1",
                "--prompts", str(step["prompts"]), "--group", str(step["group"]), "--new-tokens", str(step["new_tokens"]),
                "--vllm-memory", str(args.vllm_memory), "--lr", str(step["lr"]), "--model", str(model_dir(args)),
@@ -176,7 +178,8 @@ def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
         "learning rate": config["optim"]["lr"],
         "KL coefficient": config["loss"]["kl_coef"],
         "optimizer steps per batch": config["train_worker"]["optimizer_steps"],
-        "trainer resident (no offload)": not config["train_worker"]["offload_when_idle"],
+        # offload_when_idle auto decides at run time; the trainer says what it did (None: on CPU, nothing moves)
+        "trainer resident (no offload)": config.get("trainer_stays_on_gpu") is not False,
         "torch threads (CPU ops)": config["cluster"]["torch_threads"],
         "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
         "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
