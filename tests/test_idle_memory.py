@@ -27,12 +27,16 @@ def test_auto_stays_where_the_engines_share_fits_in_the_free_memory():
 
 
 def test_only_a_colocated_engine_with_a_fixed_share_counts(tiny_model, reverse_data):
-    """vLLM colocated: its gpu_memory_utilization; the transformers backend (its memory grows with what it
-    generates) and a disaggregated run (the engine on devices of its own): none."""
+    """vLLM colocated: its gpu_memory_utilization (0 if it never sleeps); the transformers backend (its memory
+    grows with what it generates) and a disaggregated run (the engine on devices of its own): none."""
     vllm = worker_config(tiny_model, reverse_data, rollout={"backend": "vllm", "gpu_memory_utilization": 0.35})
     assert vllm.train_worker.offload_when_idle == "auto"  # the default
     assert rollout_share(vllm) == 0.35
     assert rollout_share(worker_config(tiny_model, reverse_data)) is None
+    # An engine that never sleeps holds its share already: the trainer stays wherever 4% of the card is free.
+    awake = worker_config(tiny_model, reverse_data, rollout={"backend": "vllm", "gpu_memory_utilization": 0.35, "sleep_level": 0})
+    assert rollout_share(awake) == 0.0
+    assert stays_on_gpu("auto", free_bytes=math.ceil(HEADROOM * GIB), total_bytes=GIB, share=rollout_share(awake))
     assert rollout_share(worker_config(tiny_model, reverse_data, rollout={"backend": "vllm"}, trainer="disaggregated")) is None
 
 

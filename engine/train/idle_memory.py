@@ -26,10 +26,11 @@ HEADROOM = 0.04
 
 
 def rollout_share(config: TrellisConfig) -> float | None:
-    """The fraction of its GPU the colocated rollout engine takes awake; None where it has no fixed one."""
+    """The fraction of its GPU the colocated rollout engine takes when it wakes; None where it has no fixed
+    one. An engine that never sleeps (``rollout.sleep_level: 0``) already holds its share: 0."""
     if config.disaggregated or not backend_traits(config.rollout.backend).reserves_gpu_share:
         return None
-    return config.rollout.gpu_memory_utilization
+    return 0.0 if config.rollout.sleep_level == 0 else config.rollout.gpu_memory_utilization
 
 
 def stays_on_gpu(setting: bool | str, *, free_bytes: int, total_bytes: int, share: float | None) -> bool:
