@@ -68,7 +68,8 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     if not data.exists():
         write_dataset(data, 2048, seed=0)
     rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory,
-               "return_routed_experts": args.return_routed_experts, "quantization": args.quantization}
+               "return_routed_experts": args.return_routed_experts, "quantization": args.quantization,
+               "sleep_level": getattr(args, "sleep_level", 1)}
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
@@ -101,6 +102,7 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
+    parser.add_argument("--sleep-level", type=int, choices=(0, 1, 2), default=1, help="rollout.sleep_level (vLLM; 0: never sleeps)")
     parser.add_argument("--offload", choices=("auto", "true", "false"), default="auto",
                         help="train_worker.offload_when_idle (default auto, trellis's; --resident-trainer: false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
@@ -141,7 +143,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     argv += ["--attest", getattr(args, "attest", "default")] + (["--probe-rollout"] if getattr(args, "probe_rollout", False) else [])
     compile_flag = {True: ["--compile"], False: ["--no-compile"]}.get(args.compile, [])
-    argv += ["--offload", getattr(args, "offload", "auto")]
+    argv += ["--offload", getattr(args, "offload", "auto"), "--sleep-level", str(getattr(args, "sleep_level", 1))]
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + compile_flag
 
 
@@ -149,7 +151,7 @@ def run_settings(config) -> dict:
     """The settings of the measured step that a comparison with another trainer must match."""
     return config.model_dump(mode="json", include={
         "load_from": True, "train_dataset": {"path"}, "train_batch_size": True, "prompt_repeat_k": True,
-        "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature", "quantization"},
+        "rollout": {"backend", "max_new_tokens", "gpu_memory_utilization", "temperature", "quantization", "sleep_level"},
         "optim": {"lr"}, "loss": {"kl_coef"}, "cluster": {"torch_threads"}, "lora": True, "attest": {"enabled"},
         "train_worker": {"compile", "optimizer_steps", "offload_when_idle", "gradient_checkpointing", "dtype", "routing_replay"},
     })

@@ -76,7 +76,8 @@ COMPILE_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-comp
 GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
 SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
 TOKENS_COUNTED = "response tokens up to and including EOS, of every trained sample"
-DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records"}
+DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records",
+                    "vLLM asleep during the fit": "each side's default (trellis: rollout.sleep_level 1; TRL: no sleep mode)"}
 
 
 class PeakGpuMemory:
@@ -180,6 +181,7 @@ def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
         "optimizer steps per batch": config["train_worker"]["optimizer_steps"],
         # offload_when_idle auto decides at run time; the trainer says what it did (None: on CPU, nothing moves)
         "trainer resident (no offload)": config.get("trainer_stays_on_gpu") is not False,
+        "vLLM asleep during the fit": vllm and rollout.get("sleep_level", 1) > 0,
         "torch threads (CPU ops)": config["cluster"]["torch_threads"],
         "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
         "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
@@ -254,6 +256,7 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
         "KL coefficient": config.beta,
         "optimizer steps per batch": config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps,
         "trainer resident (no offload)": not config.vllm_enable_sleep_mode,
+        "vLLM asleep during the fit": config.vllm_enable_sleep_mode,
         "torch threads (CPU ops)": torch.get_num_threads(),
         "activation checkpointing": config.gradient_checkpointing,
         "weights / compute dtype": f"{str(next(trainer.model.parameters()).dtype).removeprefix('torch.')} / "
