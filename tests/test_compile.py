@@ -14,8 +14,8 @@ from helpers import worker_config
 
 def test_compile_auto_compiles_the_measured_case_only_and_says_why_not(tiny_model, reverse_data):
     """auto compiles a dense text policy in packed rows on one CUDA GPU (measured to gain) and names
-    every reason it leaves a policy eager; a default worker on the CPU stays eager (on any machine: the
-    GPU test run found a GPU machine's default worker compiled, as it should)."""
+    every reason it leaves a policy eager; a default worker on the CPU stays eager (built on the CPU, so that
+    this holds on a GPU machine too)."""
     cuda = torch.device("cuda")
     measured = {"device": cuda, "layout": "packed", "fsdp": False, "lora": False, "moe": False, "vision": False}
     assert auto_compile_blocker(**measured) is None
