@@ -22,11 +22,11 @@ Used by ``engine_steps.py --probe-rollout`` (the in-process step) and ``flow_ste
 from __future__ import annotations
 
 import gc
-import shutil
-import subprocess
 import os
 import resource
+import shutil
 import statistics
+import subprocess
 import time
 from datetime import datetime
 from typing import Any
@@ -155,7 +155,6 @@ def _process_cpu() -> dict[tuple[int, str], float]:
 def sample_gpu_busy(path) -> subprocess.Popen | None:
     """nvidia-smi's GPU utilization every 100 ms into ``path`` (timestamped), until terminated; None
     where there is no nvidia-smi."""
-
     if shutil.which("nvidia-smi") is None:
         return None
     return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu", "--format=csv,noheader,nounits",
@@ -164,7 +163,6 @@ def sample_gpu_busy(path) -> subprocess.Popen | None:
 
 def read_gpu_busy(path) -> list[tuple[float, float]]:
     """(epoch seconds, percent busy) samples that ``sample_gpu_busy`` wrote (the host's local time)."""
-
     samples = []
     if not os.path.exists(path):
         return samples

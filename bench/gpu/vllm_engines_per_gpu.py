@@ -55,9 +55,9 @@ def child(memory: float) -> None:
 
 class Engine:
     def __init__(self, name: str, memory: float, log: Path) -> None:
-        env = {**os.environ}
-        if os.environ.get("TRELLIS_VLLM_SITE"):
-            env["PYTHONPATH"] = f"{os.environ['TRELLIS_VLLM_SITE']}:{env.get('PYTHONPATH', '')}"
+        from engine_steps import vllm_child_env
+
+        env = vllm_child_env()
         self.name = name
         self._process = subprocess.Popen([sys.executable, __file__, "--child", str(memory)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
@@ -103,7 +103,6 @@ def main() -> None:
         return child(args.child)
     args.out.mkdir(parents=True, exist_ok=True)
     if not (MODEL / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).parent))
         from engine_steps import random_qwen2_05b
         from trellis.engine.tiny.model import build_tokenizer
 

@@ -17,7 +17,6 @@ import io
 import os
 import pstats
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ MODEL = Path("/tmp/trellis-gpu/qwen2-05b-random")
 
 def main() -> None:
     if not (MODEL / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).parent))
         from engine_steps import random_qwen2_05b
 
         random_qwen2_05b(build_tokenizer(), MODEL)
