@@ -16,7 +16,9 @@ contestants:
   trainer stays on the GPU beside vLLM's share, read back from the trainer), the Prefect flow
   on a fresh local Ray cluster (trainer and rollout actors sharing the GPU); flow_steps.py compares it
   with the in-process step on its own;
-- ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``.
+- ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``;
+  ``trellis-awake``: with ``rollout.sleep_level: 0`` (vLLM keeps its share of the GPU through the fit, as
+  TRL's does: what a sleep and a wake cost a step).
 
 They run alternately, ``--rounds`` times (trl, trellis, trellis-eager, trl, ...), each in its own
 process, so each starts on a free GPU. The settings each side really ran with (read back from its own
@@ -70,8 +72,9 @@ from run_facts import files_digest, weights_digest  # noqa: E402
 
 WORK = Path("/tmp/trellis-gpu")
 WARMUP_STEPS = 2
-CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled")
-COMPILE_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-compiled": ["--compile"]}  # trellis: the default
+CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled", "trellis-awake")
+CONTESTANT_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-compiled": ["--compile"],  # trellis: the default
+                    "trellis-awake": ["--sleep-level", "0"]}
 # A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
 GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
 SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
@@ -142,7 +145,7 @@ def trellis_contestant(args: argparse.Namespace, round_: int, name: str) -> dict
                "--prompts", str(step["prompts"]), "--group", str(step["group"]), "--new-tokens", str(step["new_tokens"]),
                "--vllm-memory", str(args.vllm_memory), "--lr", str(step["lr"]), "--model", str(model_dir(args)),
                "--torch-threads", str(args.torch_threads)]
-    peak_gib = run_child(command + COMPILE_FLAGS[name], args.out / f"{out.name}.log", dict(os.environ))
+    peak_gib = run_child(command + CONTESTANT_FLAGS[name], args.out / f"{out.name}.log", dict(os.environ))
     result = json.loads((out / f"flow_steps_{'transformers' if args.smoke else 'vllm'}.json").read_text())
     flow = result["modes"]["overlap"]
     records = {r["step"]: r for r in result["flow_steps"]}
