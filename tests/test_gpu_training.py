@@ -150,6 +150,27 @@ def test_auto_offload_keeps_the_trainer_on_the_gpu_where_the_engines_share_fits(
         assert math.isfinite(worker.fit(batch, 2).metrics["pg_loss"])
 
 
+def test_sleep_level_auto_keeps_the_engine_awake_once_a_fit_showed_it_fits(tiny_model, reverse_data):
+    """rollout.sleep_level: auto (the default): the engine sleeps through the first fit (nothing measured yet),
+    stays awake for the next where the GPU's free memory holds what the fit took, and sleeps again once memory
+    held elsewhere (a stand-in for a larger engine) leaves less than the headroom free; each fit records it."""
+    worker = _gpu_worker(tiny_model, reverse_data, rollout={"backend": "vllm", "gpu_memory_utilization": 0.3})
+    batch = PreparedBatch(_sequences(worker.model.config.vocab_size))
+    assert worker.engine_may_stay_awake() is False
+    assert worker.fit(batch, 1).metrics["memory/engine_awake"] == 0.0
+    worker.offload()
+    assert worker.engine_may_stay_awake() is True
+    worker.onload()
+    assert worker.fit(batch, 2).metrics["memory/engine_awake"] == 1.0
+    worker.offload()
+    free, total = torch.cuda.mem_get_info()
+    held = torch.empty(free - int(0.02 * total), dtype=torch.uint8, device="cuda")
+    assert worker.engine_may_stay_awake() is False
+    del held
+    worker.onload()
+    assert worker.fit(batch, 3).metrics["memory/engine_awake"] == 0.0
+
+
 def test_compiled_head_equals_full_logits_autograd():
     """The chunked head (compiled on CUDA, bf16 under autocast, T=0.7, uneven last chunk) against
     log_softmax of the same bf16 logits with autograd: logprobs, entropies and both gradients."""

@@ -1,5 +1,6 @@
 """train_worker.offload_when_idle: auto keeps a colocated trainer on its GPU while the rollout runs where the GPU
-holds both (engine.train.idle_memory); true and false decide alone; a bad value is refused by name."""
+holds both (engine.train.idle_memory); true and false decide alone; a bad value is refused by name.
+rollout.sleep_level: auto keeps the engine awake through a fit where the fits so far show it fits beside it."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from trellis.engine.config.loading import ConfigError, load_config
-from trellis.engine.train.idle_memory import HEADROOM, rollout_share, stays_on_gpu
+from trellis.engine.train.idle_memory import FIT_MARGIN, HEADROOM, engine_stays_awake, rollout_share, stays_on_gpu
 from trellis.engine.train.worker import TrainingWorker
 from helpers import worker_config
 
@@ -65,3 +66,29 @@ def test_load_config_names_the_field_in_a_yaml_typo(tmp_path, tiny_model, revers
                     "reward: {function: 'trellis.engine.tiny.reverse_task:score'}\ntrain_worker: {offload_when_idle: yes please}\n")
     with pytest.raises(ConfigError, match="offload_when_idle"):
         load_config(path)
+
+
+def test_the_engine_stays_awake_where_the_last_fits_need_fits_in_the_free_memory():
+    """An 80 GiB GPU, fits that took 10 GiB beyond the trainer's memory: the engine stays awake with that, its
+    margin and the headroom free, and sleeps one byte short; before any fit there is nothing to go by: it sleeps."""
+    total, need = 80 * GIB, 10 * GIB
+    enough = math.ceil(need * (1 + FIT_MARGIN) + HEADROOM * total)
+    assert engine_stays_awake(free_bytes=enough, total_bytes=total, fit_need_bytes=need)
+    assert not engine_stays_awake(free_bytes=enough - 1, total_bytes=total, fit_need_bytes=need)
+    assert not engine_stays_awake(free_bytes=total, total_bytes=total, fit_need_bytes=None)
+
+
+def test_sleep_level_auto_is_the_default_and_a_bad_level_is_refused_by_name(tiny_model, reverse_data):
+    vllm = worker_config(tiny_model, reverse_data, rollout={"backend": "vllm", "gpu_memory_utilization": 0.3})
+    assert vllm.rollout.sleep_level == "auto"
+    assert rollout_share(vllm) == 0.3  # counted at the trainer's hand-over, awake or not: the safe side
+    with pytest.raises(ConfigError, match=r"rollout.sleep_level"):
+        worker_config(tiny_model, reverse_data, rollout={"backend": "vllm", "sleep_level": "sometimes"})
+
+
+def test_a_cpu_trainer_never_keeps_the_engine_awake_nor_records_it(tiny_model, reverse_data):
+    """On the CPU the engine's offload moves nothing and is always asked for; a fit records no engine_awake."""
+    config = worker_config(tiny_model, reverse_data, train_worker={"device": "cpu"}, rollout={"backend": "vllm"})
+    worker = TrainingWorker(config, total_train_steps=4, pad_token_id=0)
+    assert worker.engine_may_stay_awake() is False
+    assert worker.idle.fit_ended() is None

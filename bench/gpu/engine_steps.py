@@ -69,7 +69,7 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
         write_dataset(data, 2048, seed=0)
     rollout = {"max_new_tokens": args.new_tokens, "backend": args.backend, "gpu_memory_utilization": args.vllm_memory,
                "return_routed_experts": args.return_routed_experts, "quantization": args.quantization,
-               "sleep_level": getattr(args, "sleep_level", 1)}
+               "sleep_level": sleep_level(getattr(args, "sleep_level", "auto"))}
     settings = dict(
         load_from=str(model_dir),
         train_dataset={"path": str(data)},
@@ -93,6 +93,10 @@ def step_config(work: Path, args: argparse.Namespace, **changes):
     return load_config(None, **{**settings, **changes, "rollout": {**rollout, **changes.get("rollout", {})}})
 
 
+def sleep_level(value: str) -> str | int:
+    return value if value == "auto" else int(value)
+
+
 def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: str) -> None:
     """The options that define the measured step; flow_steps.py takes them too and passes them on."""
     parser.add_argument("out", type=Path)
@@ -102,7 +106,8 @@ def add_step_arguments(parser: argparse.ArgumentParser, *, steps: int, backend: 
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--backend", choices=("transformers", "vllm"), default=backend)
     parser.add_argument("--resident-trainer", action="store_true", help="train_worker.offload_when_idle=false")
-    parser.add_argument("--sleep-level", type=int, choices=(0, 1, 2), default=1, help="rollout.sleep_level (vLLM; 0: never sleeps)")
+    parser.add_argument("--sleep-level", choices=("auto", "0", "1", "2"), default="auto",
+                        help="rollout.sleep_level (vLLM; 0: never sleeps; auto, trellis's: asleep only where the fit needs it)")
     parser.add_argument("--offload", choices=("auto", "true", "false"), default="auto",
                         help="train_worker.offload_when_idle (default auto, trellis's; --resident-trainer: false)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
@@ -143,7 +148,7 @@ def step_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--routing-replay", args.routing_replay] + (["--return-routed-experts"] if args.return_routed_experts else [])
     argv += ["--attest", getattr(args, "attest", "default")] + (["--probe-rollout"] if getattr(args, "probe_rollout", False) else [])
     compile_flag = {True: ["--compile"], False: ["--no-compile"]}.get(args.compile, [])
-    argv += ["--offload", getattr(args, "offload", "auto"), "--sleep-level", str(getattr(args, "sleep_level", 1))]
+    argv += ["--offload", getattr(args, "offload", "auto"), "--sleep-level", str(getattr(args, "sleep_level", "auto"))]
     return argv + (["--resident-trainer"] if args.resident_trainer else []) + compile_flag
 
 
@@ -203,6 +208,7 @@ def main() -> None:
     summary["backend"] = args.backend
     summary["resident_trainer"] = args.resident_trainer
     summary["trainer_stays_on_gpu"] = stays
+    summary["engine_awake_in_fits"] = [r.get("memory/engine_awake") for r in steady]  # sleep_level auto's choice
     summary["phase_median_s"] = {k: statistics.median(r[k] for r in steady if k in r) for k in steady[-1] if k.startswith("time/")}
     summary["throughput_median"] = {k: statistics.median(r[k] for r in steady) for k in steady[-1] if k.startswith("throughput/")}
     result_path(args).write_text(json.dumps(summary, indent=1))

@@ -17,8 +17,8 @@ contestants:
   on a fresh local Ray cluster (trainer and rollout actors sharing the GPU); flow_steps.py compares it
   with the in-process step on its own;
 - ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``;
-  ``trellis-awake``: with ``rollout.sleep_level: 0`` (vLLM keeps its share of the GPU through the fit, as
-  TRL's does: what a sleep and a wake cost a step).
+  ``trellis-asleep``: with ``rollout.sleep_level: 1``, vLLM asleep through every fit (the default before
+  ``auto``, which keeps it awake where the fit fits beside it, as TRL's is: what a sleep and a wake cost).
 
 They run alternately, ``--rounds`` times (trl, trellis, trellis-eager, trl, ...), each in its own
 process, so each starts on a free GPU. The settings each side really ran with (read back from its own
@@ -72,15 +72,16 @@ from run_facts import files_digest, weights_digest  # noqa: E402
 
 WORK = Path("/tmp/trellis-gpu")
 WARMUP_STEPS = 2
-CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled", "trellis-awake")
+CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled", "trellis-asleep")
 CONTESTANT_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-compiled": ["--compile"],  # trellis: the default
-                    "trellis-awake": ["--sleep-level", "0"]}
+                    "trellis-asleep": ["--sleep-level", "1"]}
 # A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
 GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
 SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
 TOKENS_COUNTED = "response tokens up to and including EOS, of every trained sample"
 DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records",
-                    "vLLM asleep during the fit": "each side's default (trellis: rollout.sleep_level 1; TRL: no sleep mode)"}
+                    "vLLM asleep during the fit": "each side's default (trellis: rollout.sleep_level auto, asleep where a fit "
+                                                  "needs the memory; TRL: no sleep mode)"}
 
 
 class PeakGpuMemory:
@@ -157,7 +158,8 @@ def trellis_contestant(args: argparse.Namespace, round_: int, name: str) -> dict
             "workers_idle_fraction": flow["workers_idle_fraction"], "peak_gpu_gib": peak_gib,
             "warmup_run_s": result["warmup_run_s"][0], "first_fit_s": result["warmup_phases_s"][0]["time/fit"][0],
             "measured_fit_s": flow["phase_s"]["time/fit"]["median"],
-            "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu"),
+            "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu",
+                                            awake=[records[s].get("memory/engine_awake") for s in steps]),
                          "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
 
 
@@ -167,7 +169,8 @@ def trained_response_tokens(record: dict) -> float:
     return record["response/response_len/mean"] * record["response/batch_size"]
 
 
-def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
+def trellis_settings(config: dict, *, on_gpu: bool, awake: list[float | None]) -> dict:
+    """``awake``: each measured fit's ``memory/engine_awake`` (recorded where ``rollout.sleep_level`` is auto)."""
     rollout, vllm = config["rollout"], config["rollout"]["backend"] == "vllm"
     worker = config["train_worker"]
     bf16 = on_gpu and worker["dtype"] in ("auto", "bfloat16")  # engine/train/worker.py: fp32 weights, bf16 compute
@@ -184,7 +187,7 @@ def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
         "optimizer steps per batch": config["train_worker"]["optimizer_steps"],
         # offload_when_idle auto decides at run time; the trainer says what it did (None: on CPU, nothing moves)
         "trainer resident (no offload)": config.get("trainer_stays_on_gpu") is not False,
-        "vLLM asleep during the fit": vllm and rollout.get("sleep_level", 1) > 0,
+        "vLLM asleep during the fit": vllm and engine_slept(rollout["sleep_level"], awake),
         "torch threads (CPU ops)": config["cluster"]["torch_threads"],
         "activation checkpointing": config["train_worker"]["gradient_checkpointing"],
         "weights / compute dtype": f"float32 / {'bfloat16' if bf16 else 'float32'}",
@@ -192,6 +195,11 @@ def trellis_settings(config: dict, *, on_gpu: bool) -> dict:
         "tokens counted": TOKENS_COUNTED,
         "tokens counted from": "step metrics: response_len/mean x batch_size",
     }
+
+
+def engine_slept(sleep_level: str | int, awake: list[float | None]) -> bool:
+    """Whether vLLM slept through any measured fit: under auto, as each fit recorded it."""
+    return 0.0 in awake if sleep_level == "auto" else sleep_level != 0
 
 
 def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:

@@ -193,6 +193,9 @@ class TrainerActor(BuiltFrom):
     def onload(self) -> None:
         self.worker.onload()
 
+    def engine_may_stay_awake(self) -> bool:
+        return self.worker.engine_may_stay_awake()
+
 
 @ray.remote(num_cpus=0, concurrency_groups={"control": 1})
 class RolloutActor(BuiltFrom):

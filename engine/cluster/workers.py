@@ -299,17 +299,25 @@ class RunWorkers:
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch, as ``LocalRun.hand_accelerator_to``: the other side offloads first.
         Only actors on a GPU are called (on CPU there is nothing to move); a side that already holds
-        the accelerator returns at once."""
+        the accelerator returns at once. The engines stay awake where every trainer's fit fits beside them."""
         if role not in self.roles or self.config.disaggregated:  # each side has devices of its own
             return
         giver: Role = "trainer" if role == "rollout" else "rollout"
-        if giver in self.roles:  # debug modes run one side only
+        stays_awake = giver == "rollout" and self._engines_may_stay_awake()
+        if giver in self.roles and not stays_awake:  # debug modes run one side only
             try:
                 self.wait([actor.offload.remote() for actor in on_gpus(self.actors(giver), self._timeout_s)])
             except (ValueError, RayActorError):
                 if giver != "rollout":
                     raise  # a lost rollout worker holds no memory (produce_batch replaces it); a lost trainer is fatal
         self.wait([actor.onload.remote() for actor in on_gpus(self.actors(role), self._timeout_s)])
+
+    def _engines_may_stay_awake(self) -> bool:
+        """Every trainer rank's fit fits beside its awake engine (``rollout.sleep_level: auto``); else all sleep."""
+        if self.config.rollout.sleep_level != "auto" or "trainer" not in self.roles:
+            return False
+        trainers = on_gpus(self.actors("trainer"), self._timeout_s)
+        return bool(trainers) and all(self.wait([actor.engine_may_stay_awake.remote() for actor in trainers]))
 
     def sync_weights(self, policy_version: int) -> dict[str, float]:
         """The trainer's weights into every rollout worker, attested (``engine.weights.attestation``):

@@ -34,11 +34,12 @@ class RolloutConfig(Frozen):
         "scales (vLLM's online fp8). Needs a GPU with FP8 compute (sm89+: Ada, Hopper). The "
         "mismatch it adds shows in the mismatch/ metrics; loss.rollout_is corrects for it.",
     )
-    sleep_level: Literal[0, 1, 2] = Field(
-        1,
+    sleep_level: Literal["auto", 0, 1, 2] = Field(
+        "auto",
         description="vLLM only: how the colocated engine sleeps while the trainer trains. 1 frees its KV cache and moves "
         "its weights to CPU, 2 drops the weights too; 0 never sleeps (as TRL's colocated default): the engine keeps its "
-        "share of the GPU through the fit, which saves a sleep and a wake a step where the GPU holds the fit beside it.",
+        "share of the GPU through the fit. auto sleeps as 1 through the first fit, then stays awake at every hand-over "
+        "where the GPU's free memory holds what the fits took, with a margin: this saves a sleep and a wake a step.",
     )
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
     return_routed_experts: bool = Field(

@@ -96,14 +96,16 @@ class LocalWorkers:
 
     def hand_accelerator_to(self, role: Role) -> None:
         """The colocated switch: the other side offloads first (both calls do nothing on CPU, and
-        nothing when the side already holds the accelerator)."""
+        nothing when the side already holds the accelerator); the engine stays awake where the trainer's
+        fit fits beside it (``rollout.sleep_level: auto``)."""
         if self.trainer is None or self.backend is None or self.config.disaggregated:
             return
         if role == "rollout":
             self.trainer.offload()
             self.backend.onload()
         elif role == "trainer":
-            self.backend.offload()
+            if not self.trainer.engine_may_stay_awake():
+                self.backend.offload()
             self.trainer.onload()
 
     def sync_weights(self, policy_version: int) -> dict[str, float]:

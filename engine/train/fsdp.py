@@ -52,6 +52,10 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
     return _reduce(values, dist.ReduceOp.MAX)
 
 
+def min_over_ranks(values: Sequence[float]) -> list[float]:
+    return _reduce(values, dist.ReduceOp.MIN)
+
+
 def _reduce(values: Sequence[float], op) -> list[float]:
     if rank_and_world()[1] == 1:
         return list(values)

@@ -1,4 +1,5 @@
-"""Whether a colocated trainer leaves its GPU while the rollout runs (``train_worker.offload_when_idle``).
+"""Who leaves the GPU at a colocated hand-over: the trainer while the rollout runs
+(``train_worker.offload_when_idle``), the rollout engine while the trainer trains (``rollout.sleep_level``).
 
 Moving the weights and AdamW state to the CPU and back costs two host transfers of ~12 bytes a parameter
 every step; XTuner's colocated trainer always pays them, TRL's and verl's default trainers never do.
@@ -7,6 +8,11 @@ at every hand-over to the rollout, from what the device has free then (the train
 given back, the engine asleep): the trainer stays when the engine's share of the GPU
 (``rollout.gpu_memory_utilization`` for vLLM) fits in that free memory with a margin. A backend without a
 fixed share (transformers generating on the GPU) always gets the GPU to itself, as before.
+
+The engine's sleep and wake cost every step too; TRL's colocated engine never sleeps. With
+``rollout.sleep_level: auto`` the engine sleeps through the first fit, which shows how much memory a fit
+takes beyond what the trainer holds (its peak reserved by torch); from then on, at every hand-over to the
+trainer, the engine stays awake where the device's free memory holds that with a margin.
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ logger = logging.getLogger(__name__)
 # Of the GPU's memory, kept free beyond the engine's share: what its wake-up maps on top of its share
 # (vLLM's allocator rounds to 2 MiB granules, CUDA graph pools) and what the step's other allocations need.
 HEADROOM = 0.04
+# Of a fit's measured need, asked beyond it before the engine stays awake through the next fit: packs hold
+# at most pack_max_length tokens, so fits differ little, but a padded row grows with its longest sample.
+FIT_MARGIN = 0.25
 
 
 def rollout_share(config: TrellisConfig) -> float | None:
     """The fraction of its GPU the colocated rollout engine takes when it wakes; None where it has no fixed
-    one. An engine that never sleeps (``rollout.sleep_level: 0``) already holds its share: 0."""
+    one. An engine that never sleeps (``rollout.sleep_level: 0``) already holds its share: 0. Under ``auto``
+    the share counts whether or not the engine stayed awake: where it did, the free memory read already lacks
+    it, and the trainer stays only with room for it twice (safe, and true for a trainer that fits easily)."""
     if config.disaggregated or not backend_traits(config.rollout.backend).reserves_gpu_share:
         return None
     return 0.0 if config.rollout.sleep_level == 0 else config.rollout.gpu_memory_utilization
@@ -44,6 +55,14 @@ def stays_on_gpu(setting: bool | str, *, free_bytes: int, total_bytes: int, shar
     return free_bytes >= (share + HEADROOM) * total_bytes
 
 
+def engine_stays_awake(*, free_bytes: int, total_bytes: int, fit_need_bytes: int | None) -> bool:
+    """Whether the next fit fits beside the awake rollout engine: ``fit_need_bytes`` is what the last fits
+    reserved beyond the trainer's memory now (None before the first fit: the engine sleeps through it)."""
+    if fit_need_bytes is None:
+        return False
+    return free_bytes >= fit_need_bytes * (1 + FIT_MARGIN) + HEADROOM * total_bytes
+
+
 class IdleMemory:
     """A trainer's side of the colocated hand-over: where its weights and optimizer state wait while the
     rollout runs, decided at every ``offload`` and said in the log when it changes."""
@@ -51,8 +70,11 @@ class IdleMemory:
     def __init__(self, config: TrellisConfig, device: torch.device) -> None:
         self._setting = config.train_worker.offload_when_idle
         self._share = rollout_share(config)
+        self._asks_engine_awake = config.rollout.sleep_level == "auto" and self._share is not None
         self._device = device
         self.stays_on_gpu: bool | None = None  # the last decision; None before the first, and on the CPU
+        self.engine_awake: bool | None = None  # the last answer of ``engine_may_stay_awake``
+        self._fit_peak: int | None = None  # the most torch reserved during a fit, over the fits so far
 
     def offload(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Gives the memory the last fit cached (its activations: tens of GB for a 7B model) back to the
@@ -71,6 +93,29 @@ class IdleMemory:
         if not stays:
             move_training_state(policy, optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
+
+    def fit_ended(self) -> float | None:
+        """After a fit, before its peak memory statistics are reset; returns whether the engine stayed awake
+        through it (1.0 or 0.0; None where it is never asked to)."""
+        if self._device.type != "cuda":
+            return None
+        self._fit_peak = max(self._fit_peak or 0, torch.cuda.max_memory_reserved(self._device))
+        return None if self.engine_awake is None else float(self.engine_awake)
+
+    def engine_may_stay_awake(self) -> bool:
+        """Asked at the hand-over to the trainer, before the engine would sleep: whether the next fit fits
+        beside it, as the last fits measured. False on the CPU, for an engine without a fixed share, and
+        where ``rollout.sleep_level`` is not auto."""
+        if self._device.type != "cuda" or not self._asks_engine_awake:
+            return False
+        free, total = torch.cuda.mem_get_info(self._device)
+        need = None if self._fit_peak is None else max(0, self._fit_peak - torch.cuda.memory_reserved(self._device))
+        awake = engine_stays_awake(free_bytes=free, total_bytes=total, fit_need_bytes=need)
+        if need is not None and awake != self.engine_awake:
+            logger.info("The rollout engine %s while the trainer trains: %.1f of %.1f GiB free, a fit takes %.1f GiB more.",
+                        "stays awake" if awake else "sleeps", free / 2**30, total / 2**30, need / 2**30)
+        self.engine_awake = awake
+        return awake
 
     def onload(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._device.type != "cpu":

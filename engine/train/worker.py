@@ -184,6 +184,8 @@ class TrainingWorker:
         if self.device.type == "cuda":  # the rank that needed most; it sets how large a model fits
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30
             result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
+            if (awake := self.idle.fit_ended()) is not None:  # all engines stayed awake through it, or none did
+                result.metrics["memory/engine_awake"] = fsdp.min_over_ranks([awake])[0]
             torch.cuda.reset_peak_memory_stats(self.device)
         self.applied_step = step
         return result
@@ -380,6 +382,9 @@ class TrainingWorker:
 
     def onload(self) -> None:
         self.idle.onload(self.policy, self.optimizer)
+
+    def engine_may_stay_awake(self) -> bool:
+        return self.idle.engine_may_stay_awake()
 
 
 def choose_layout(worker: TrainWorkerConfig, device: torch.device) -> str:

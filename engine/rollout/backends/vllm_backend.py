@@ -41,7 +41,7 @@ class VllmRollout(StreamingBackend):
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
-        sleep_level: int = 1,
+        sleep_level: int | str = 1,
         seed: int = 0,
         capture_routing: bool = False,
         quantization: str = "none",
@@ -52,7 +52,8 @@ class VllmRollout(StreamingBackend):
         ``quantization``: "fp8" quantizes the checkpoint's weights at load, and every
         ``load_weights`` again (``_reload_quantized``).
         ``sleep_level`` 0: an engine that never leaves the GPU, built without vLLM's sleep mode
-        (whose allocator allows one engine per process); ``offload`` is then a no-op.
+        (whose allocator allows one engine per process); ``offload`` is then a no-op. "auto" sleeps as 1 when
+        asked: the hand-over asks only where the trainer's fit needs the memory (``engine.train.idle_memory``).
         ``logprob_tap``: read the sampled tokens' logprobs at vLLM's sampler (``SampledLogprobTap``)
         where this vLLM allows it, instead of asking for them per request (False: always ask)."""
         if quantization != "none" and (reason := fp8_unavailable()) is not None:
@@ -62,7 +63,7 @@ class VllmRollout(StreamingBackend):
         super().__init__()
         self._abort = threading.Event()
         self._tokenizer = tokenizer
-        self._sleep_level = sleep_level
+        self._sleep_level = 1 if sleep_level == "auto" else sleep_level
         self._asleep = False
         self._calls = 0
         self._weights_awake = True
@@ -81,7 +82,7 @@ class VllmRollout(StreamingBackend):
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            enable_sleep_mode=sleep_level > 0,
+            enable_sleep_mode=self._sleep_level > 0,
             seed=seed,
             # The contract: logprobs of the sampled token under logits / temperature.
             logprobs_mode="processed_logprobs",
