@@ -303,8 +303,8 @@ class RunWorkers:
         if role not in self.roles or self.config.disaggregated:  # each side has devices of its own
             return
         giver: Role = "trainer" if role == "rollout" else "rollout"
-        stays_awake = giver == "rollout" and self._engines_may_stay_awake()
-        if giver in self.roles and not stays_awake:  # debug modes run one side only
+        # debug modes run one side only
+        if giver in self.roles and not (giver == "rollout" and self._engines_may_stay_awake()):
             try:
                 self.wait([actor.offload.remote() for actor in on_gpus(self.actors(giver), self._timeout_s)])
             except (ValueError, RayActorError):
