@@ -3,9 +3,9 @@
 Both train the same random Qwen2-0.5B-shaped model on the bundled task with the same batch: 32 prompts
 x 8 samples = 256 completions of up to 256 new tokens per optimizer step, fp32 master weights under
 bf16 autocast, no KL term, the same learning rate and temperature, vLLM for generation with the same
-``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident (TRL: no
-sleep mode; trellis: its default, which keeps the trainer where the GPU holds both; trellis's vLLM still
-sleeps while it trains), the same torch threads (``--torch-threads``) in every process that computes. The
+``--vllm-memory`` fraction of the GPU (0.3 by default) on both sides, the trainer resident and vLLM
+awake through the fit (TRL: no sleep mode; trellis: its defaults, which keep each where the GPU holds both,
+read back from its records), the same torch threads (``--torch-threads``) in every process that computes. The
 contestants:
 
 - ``trl``: GRPOTrainer, ``vllm_mode="colocate"``, per-device batch 32 x 8 accumulation steps,

@@ -65,7 +65,8 @@ def engine_stays_awake(*, free_bytes: int, total_bytes: int, fit_need_bytes: int
 
 class IdleMemory:
     """A trainer's side of the colocated hand-over: where its weights and optimizer state wait while the
-    rollout runs, decided at every ``offload`` and said in the log when it changes."""
+    rollout runs, decided at every ``offload``, and whether the engine may stay awake through the next fit,
+    answered at every hand-over to the trainer; each said in the log when it changes."""
 
     def __init__(self, config: TrellisConfig, device: torch.device) -> None:
         self._setting = config.train_worker.offload_when_idle
