@@ -70,12 +70,17 @@ def test_load_config_names_the_field_in_a_yaml_typo(tmp_path, tiny_model, revers
 
 def test_the_engine_stays_awake_where_the_last_fits_need_fits_in_the_free_memory():
     """An 80 GiB GPU, fits that took 10 GiB beyond the trainer's memory: the engine stays awake with that, its
-    margin and the headroom free, and sleeps one byte short; before any fit there is nothing to go by: it sleeps."""
+    margin and the headroom free, and sleeps one byte short; before any fit there is nothing to go by: it sleeps;
+    after fits of quarter-full micro-batches it asks four times the room."""
     total, need = 80 * GIB, 10 * GIB
     enough = math.ceil(need * (1 + FIT_MARGIN) + HEADROOM * total)
     assert engine_stays_awake(free_bytes=enough, total_bytes=total, fit_need_bytes=need)
     assert not engine_stays_awake(free_bytes=enough - 1, total_bytes=total, fit_need_bytes=need)
     assert not engine_stays_awake(free_bytes=total, total_bytes=total, fit_need_bytes=None)
+    # Fits whose micro-batches were a quarter full (short responses so far) may need four times as much later.
+    assert not engine_stays_awake(free_bytes=enough, total_bytes=total, fit_need_bytes=need, packs_filled=0.25)
+    four_times = math.ceil(4 * need * (1 + FIT_MARGIN) + HEADROOM * total)
+    assert engine_stays_awake(free_bytes=four_times, total_bytes=total, fit_need_bytes=need, packs_filled=0.25)
 
 
 def test_sleep_level_auto_is_the_default_and_a_bad_level_is_refused_by_name(tiny_model, reverse_data):
@@ -91,4 +96,4 @@ def test_a_cpu_trainer_never_keeps_the_engine_awake_nor_records_it(tiny_model, r
     config = worker_config(tiny_model, reverse_data, train_worker={"device": "cpu"}, rollout={"backend": "vllm"})
     worker = TrainingWorker(config, total_train_steps=4, pad_token_id=0)
     assert worker.engine_may_stay_awake() is False
-    assert worker.idle.fit_ended() is None
+    assert worker.idle.fit_ended(1.0) is None

@@ -55,12 +55,14 @@ def stays_on_gpu(setting: bool | str, *, free_bytes: int, total_bytes: int, shar
     return free_bytes >= (share + HEADROOM) * total_bytes
 
 
-def engine_stays_awake(*, free_bytes: int, total_bytes: int, fit_need_bytes: int | None) -> bool:
+def engine_stays_awake(*, free_bytes: int, total_bytes: int, fit_need_bytes: int | None, packs_filled: float = 1.0) -> bool:
     """Whether the next fit fits beside the awake rollout engine: ``fit_need_bytes`` is what the last fits
-    reserved beyond the trainer's memory now (None before the first fit: the engine sleeps through it)."""
+    reserved beyond the trainer's memory now (None before the first fit: the engine sleeps through it), and
+    ``packs_filled`` how full their micro-batches were (tokens over pack_max_length): a fit of fuller ones,
+    as responses grow, needs up to 1 / packs_filled times as much for its activations."""
     if fit_need_bytes is None:
         return False
-    return free_bytes >= fit_need_bytes * (1 + FIT_MARGIN) + HEADROOM * total_bytes
+    return free_bytes >= fit_need_bytes / packs_filled * (1 + FIT_MARGIN) + HEADROOM * total_bytes
 
 
 class IdleMemory:
@@ -76,6 +78,7 @@ class IdleMemory:
         self.stays_on_gpu: bool | None = None  # the last decision; None before the first, and on the CPU
         self.engine_awake: bool | None = None  # the last answer of ``engine_may_stay_awake``
         self._fit_peak: int | None = None  # the most torch reserved during a fit, over the fits so far
+        self._packs_filled = 0.0  # the fullest micro-batches of those fits, as a share of pack_max_length
 
     def offload(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Gives the memory the last fit cached (its activations: tens of GB for a 7B model) back to the
@@ -95,12 +98,14 @@ class IdleMemory:
             move_training_state(policy, optimizer, torch.device("cpu"))
             torch.cuda.empty_cache()
 
-    def fit_ended(self) -> float | None:
-        """After a fit, before its peak memory statistics are reset; returns whether the engine stayed awake
-        through it (1.0 or 0.0; None where it is never asked to)."""
+    def fit_ended(self, packs_filled: float) -> float | None:
+        """After a fit, before its peak memory statistics are reset, with how full its micro-batches were on
+        average (tokens over pack_max_length); returns whether the engine stayed awake through it (1.0 or
+        0.0; None where it is never asked to)."""
         if self._device.type != "cuda":
             return None
         self._fit_peak = max(self._fit_peak or 0, torch.cuda.max_memory_reserved(self._device))
+        self._packs_filled = max(self._packs_filled, min(packs_filled, 1.0))
         return None if self.engine_awake is None else float(self.engine_awake)
 
     def engine_may_stay_awake(self) -> bool:
@@ -111,10 +116,11 @@ class IdleMemory:
             return False
         free, total = torch.cuda.mem_get_info(self._device)
         need = None if self._fit_peak is None else max(0, self._fit_peak - torch.cuda.memory_reserved(self._device))
-        awake = engine_stays_awake(free_bytes=free, total_bytes=total, fit_need_bytes=need)
+        awake = engine_stays_awake(free_bytes=free, total_bytes=total, fit_need_bytes=need, packs_filled=self._packs_filled)
         if need is not None and awake != self.engine_awake:
-            logger.info("The rollout engine %s while the trainer trains: %.1f of %.1f GiB free, a fit takes %.1f GiB more.",
-                        "stays awake" if awake else "sleeps", free / 2**30, total / 2**30, need / 2**30)
+            logger.info("The rollout engine %s while the trainer trains: %.1f of %.1f GiB free, a fit took %.1f GiB more "
+                        "with its micro-batches %.0f%% full.", "stays awake" if awake else "sleeps", free / 2**30, total / 2**30,
+                        need / 2**30, 100 * self._packs_filled)
         self.engine_awake = awake
         return awake
 
