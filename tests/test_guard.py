@@ -132,7 +132,10 @@ def test_the_guard_stops_the_run_when_it_may_not_roll_back(tiny_model, reverse_d
     with LocalRun(config) as run, pytest.raises(StabilityGuardTripped, match="stopped the run at step 7: reward_collapse") as error:
         run.run()
     assert "It did not roll back: guard.on_trip is stop" in str(error.value)
-    assert "| reward_collapse | `response/rewards/mean` | 0 | 0.06" in error.value.page
+    # The bound is the rule's fraction of the running median; the rewards themselves vary with the CPU's
+    # float kernels (an AMD EPYC gave a median of 0.2852 where an earlier machine's bound read 0.06).
+    row = re.search(r"\| reward_collapse \| `response/rewards/mean` \| 0 \| ([\d.]+) \| ([\d.]+) \|", error.value.page)
+    assert row and float(row[1]) == pytest.approx(config.guard.reward_collapse * float(row[2]), rel=1e-3)
     assert [t["action"] for t in read_trips(Store(config.run_uri))] == ["stop"]
     assert SaveStore(Store(f"{config.run_uri}/checkpoints")).complete_steps() == [2, 4, 6]  # kept for a resume
 
