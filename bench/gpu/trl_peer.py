@@ -17,8 +17,8 @@ contestants:
   on a fresh local Ray cluster (trainer and rollout actors sharing the GPU); flow_steps.py compares it
   with the in-process step on its own;
 - ``trellis-eager``: the same with ``compile: false``; ``trellis-compiled``: with ``compile: true``;
-  ``trellis-asleep``: with ``rollout.sleep_level: 1``, vLLM asleep through every fit (the default before
-  ``auto``, which keeps it awake where the fit fits beside it, as TRL's is: what a sleep and a wake cost).
+  ``trellis-asleep``: with ``rollout.sleep_level: 1``, vLLM asleep through every fit, the default before
+  ``auto`` (which keeps it awake where the fit fits beside it): what a sleep and a wake cost a step.
 
 They run alternately, ``--rounds`` times (trl, trellis, trellis-eager, trl, ...), each in its own
 process, so each starts on a free GPU. The settings each side really ran with (read back from its own
