@@ -50,6 +50,7 @@ from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_step
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
+from trellis.engine.train.idle_memory import asks_engine_awake
 from trellis.engine.weights.attestation import attests, held
 
 logger = logging.getLogger(__name__)
@@ -314,7 +315,7 @@ class RunWorkers:
 
     def _engines_may_stay_awake(self) -> bool:
         """Every trainer rank's fit fits beside its awake engine (``rollout.sleep_level: auto``); else all sleep."""
-        if self.config.rollout.sleep_level != "auto" or "trainer" not in self.roles:
+        if not asks_engine_awake(self.config) or "trainer" not in self.roles:
             return False
         trainers = on_gpus(self.actors("trainer"), self._timeout_s)
         return bool(trainers) and all(self.wait([actor.engine_may_stay_awake.remote() for actor in trainers]))

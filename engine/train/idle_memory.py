@@ -44,6 +44,12 @@ def rollout_share(config: TrellisConfig) -> float | None:
     return 0.0 if config.rollout.sleep_level == 0 else config.rollout.gpu_memory_utilization
 
 
+def asks_engine_awake(config: TrellisConfig) -> bool:
+    """Whether the trainer is asked, at each hand-over to it, if the engine may stay awake: under
+    ``rollout.sleep_level: auto``, beside an engine with a fixed share of the GPU."""
+    return config.rollout.sleep_level == "auto" and rollout_share(config) is not None
+
+
 def stays_on_gpu(setting: bool | str, *, free_bytes: int, total_bytes: int, share: float | None) -> bool:
     """Whether the trainer keeps its weights and optimizer state on the GPU while the rollout runs.
     ``setting``: ``train_worker.offload_when_idle``; ``free_bytes``: what the device has free now, the
@@ -73,7 +79,7 @@ class IdleMemory:
     def __init__(self, config: TrellisConfig, device: torch.device) -> None:
         self._setting = config.train_worker.offload_when_idle
         self._share = rollout_share(config)
-        self._asks_engine_awake = config.rollout.sleep_level == "auto" and self._share is not None
+        self._asks_engine_awake = asks_engine_awake(config)
         self._device = device
         self.stays_on_gpu: bool | None = None  # the last decision; None before the first, and on the CPU
         self.engine_awake: bool | None = None  # the last answer of ``engine_may_stay_awake``

@@ -180,12 +180,12 @@ class TrainingWorker:
             )
             result.mini_batch_metrics.append(metrics)
         result.metrics = average(result.mini_batch_metrics)
-        result.metrics.update(self.routing.finish_fit(self._my_share(batch.sequences), reduce_over_ranks=self.world > 1))
+        mine = self._my_share(batch.sequences)
+        result.metrics.update(self.routing.finish_fit(mine, reduce_over_ranks=self.world > 1))
         if self.device.type == "cuda":  # the rank that needed most; it sets how large a model fits
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30
             result.metrics["memory/train_peak_gib"] = fsdp.max_over_ranks([peak])[0]
-            tokens = sum(seq.num_tokens for seq in self._my_share(batch.sequences))
-            filled = tokens / (max(1, sum(real_counts)) * self.config.train_worker.pack_max_length)
+            filled = sum(seq.num_tokens for seq in mine) / (max(1, sum(real_counts)) * self.config.train_worker.pack_max_length)
             if (awake := self.idle.fit_ended(filled)) is not None:  # all engines stayed awake through it, or none did
                 result.metrics["memory/engine_awake"] = fsdp.min_over_ranks([awake])[0]
             torch.cuda.reset_peak_memory_stats(self.device)
