@@ -275,13 +275,11 @@ def failures(rows: list[dict]) -> list[dict]:
 def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp_path, ray_cluster, prefect_api):
     """The agent scores its sessions itself; reward.function would fail every sample if it ran. The
     trainer scores exactly the tokens the gateway served (logprobs equal to 1e-3 at every step), and
-    every step trains all 128 sessions on the agent's rewards.
-
-    That the policy learns through the gateway rests on the sessions being the tool loop's token for
-    token (test above) and on the tool loop's learning test (test_tool_task). Asserted here, it did not
-    hold: held-out accuracy gained +0.13 to +0.23 over 10-20 steps in seven runs alone, but fell short
-    of +0.1 in two full-suite CI runs (e993b9e: -0.03 in 10 steps; 9f1f397: 20 steps), cause not found.
-    So only a collapse (a loss of more than 0.1) fails it."""
+    every step trains all 128 sessions on the agent's rewards, and held-out success gains 0.1 in 8 steps
+    (0.27 -> 0.77 on an AMD EPYC). The gain fell short in two CI runs (e993b9e, 9f1f397) while the
+    lookup model's warm-up stopped inside its jump in success, leaving each machine a different half
+    skill to finish; the warm-up now learns the skill whole and knocks the answers back
+    (engine/tiny/lookup_task.py)."""
     config = load_config(
         "configs/tiny_lookup.yaml",
         load_from=str(lookup["model"]),
@@ -300,7 +298,7 @@ def test_an_openai_agent_trains_through_the_flow_with_its_own_reward(lookup, tmp
     assert not failed and all(m["rollout/failed_samples"] == 0 for m in steps), (len(failed), failed[:3])
     assert all(m["mismatch/abs_logprob_diff_max"] < 1e-3 for m in steps), [m["mismatch/abs_logprob_diff_max"] for m in steps]
     assert all(m["response/training_samples"] == 128 and m["train/grad_norm"] > 0 for m in steps)
-    assert metrics[8]["eval/accuracy"] >= metrics[0]["eval/accuracy"] - 0.1, (metrics[0]["eval/accuracy"], metrics[8]["eval/accuracy"])
+    assert metrics[8]["eval/accuracy"] >= metrics[0]["eval/accuracy"] + 0.1, (metrics[0]["eval/accuracy"], metrics[8]["eval/accuracy"])
     assert len(rows) == 8 * 128
     assert all(json.loads(row["reward_payload"]) == {"from": "agent"} for row in rows)
     assert sum(row["reward"] for row in rows) > 0

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trellis.engine.config.loading import load_config
 from trellis.engine.run.local import LocalRun
+from trellis.engine.tiny import lookup_task
+from trellis.engine.tiny import model as tiny_model
 from trellis.flows.rl_train import rl_train
 from helpers import logged_metrics
 
@@ -69,3 +72,29 @@ def test_the_lookup_task_learns_through_the_flow_and_its_sessions_replay(lookup,
     for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
         assert replayed[key] == pytest.approx(metrics[1][key], rel=1e-5), key
     assert Path(config.run_uri, "logs", "metrics.jsonl").exists()
+
+
+def test_the_warmed_up_lookup_model_keeps_its_tool_call_while_its_answers_are_knocked_back(lookup):
+    """What the RL run climbs: the warm-up learned the whole session (success >= 0.9 before the knock-back),
+    the knock-back left the tool call in place and only the answers wrong."""
+    model = AutoModelForCausalLM.from_pretrained(lookup["model"])
+    tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
+    tool_calls = tiny_model.probe_batch(tokenizer, lookup_task.make_example, first_turn_only=True)  # the warm-up's probe
+    sessions = tiny_model.probe_batch(tokenizer, lookup_task.make_example)
+    assert tiny_model.greedy_success(model, *tool_calls) >= 0.9
+    assert tiny_model.greedy_success(model, *sessions) <= lookup_task.START_SUCCESS
+
+
+def test_a_warm_up_that_never_reaches_its_success_says_so():
+    """Tried: a success no model reaches (1.01), and a knock-back to a success below zero; each stops
+    at its step limit with an error naming the target, and a knock-back without a success to start from
+    is refused."""
+    tokenizer = tiny_model.build_tokenizer(make_example=lookup_task.make_example, added_tokens=lookup_task.ADDED_TOKENS)
+    model = tiny_model.build_model(tokenizer)
+    with pytest.raises(RuntimeError, match="did not reach greedy success 1.01 in 8 steps"):
+        tiny_model.warm_up(model, tokenizer, make_example=lookup_task.make_example, steps=1, until_success=1.01)
+    knock_back = tiny_model.KnockBack(lookup_task.weak_teacher_example, to_success=-1.0, max_steps=2)
+    with pytest.raises(RuntimeError, match="did not bring greedy success down to -1.0 in 2 steps"):
+        tiny_model.warm_up(model, tokenizer, make_example=lookup_task.make_example, steps=1, until_success=0.0, knock_back=knock_back)
+    with pytest.raises(ValueError, match="knock_back needs until_success"):
+        tiny_model.warm_up(model, tokenizer, make_example=lookup_task.make_example, steps=1, knock_back=knock_back)

@@ -80,19 +80,33 @@ def score(sample: dict[str, Any]) -> float:
     return 1.0 if looked_up and str(sample["response"]).strip() == str(sample["label"]) else 0.0
 
 
-# Greedy success jumps from ~5% to ~75% within a few steps: between 141 and 146 on the machine the
-# count was pinned on, between 220 and 230 on an AMD EPYC of 2026-12-04 (where 143 steps left a model
-# no RL step could move). So: at least 143 steps, then on until a probe's success reaches 25%.
+# The warm-up runs until copying is learned: greedy success jumps from ~5% to ~90% within a few dozen
+# steps, but where the jump falls moves with the machine's arithmetic (steps 141-146 on one CPU, ~300
+# on an AMD EPYC), and a model stopped inside it was left with half a skill that 30 RL steps could not
+# finish on one machine and could on another. So it learns the skill whole, then a weak teacher's
+# sessions knock its answers back down to ~30%: what RL then climbs is the same on every machine.
 WARMUP_STEPS = 143
-WARMUP_SUCCESS = 0.25
+WARMUP_SUCCESS = 0.9
+START_SUCCESS = 0.35
+WEAK_TEACHER_BACKWARDS = 0.7  # the share of the weak teacher's answers that give the value backwards
 FIRST_TURN_STEPS = 100  # the tool call alone first; then whole sessions
+
+
+def weak_teacher_example(rng: random.Random) -> tuple[str, list[tuple[str, bool]]]:
+    """A session of a teacher that looks the key up right but often answers its value backwards."""
+    prompt, segments = make_example(rng)
+    if rng.random() < WEAK_TEACHER_BACKWARDS:
+        value = segments[-1][0].removesuffix(IM_END)
+        segments = [*segments[:-1], (value[::-1] + IM_END, True)]
+    return prompt, segments
 
 
 def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
     """The tiny model and tokenizer warmed up on this task (``trellis tiny-model --task lookup``)."""
-    from trellis.engine.tiny.model import build_tiny_checkpoint
+    from trellis.engine.tiny.model import KnockBack, build_tiny_checkpoint
 
     return build_tiny_checkpoint(
         out_dir, warmup=warmup, make_example=make_example, warmup_steps=WARMUP_STEPS,
         first_turn_steps=FIRST_TURN_STEPS, added_tokens=ADDED_TOKENS, until_success=WARMUP_SUCCESS,
+        knock_back=KnockBack(weak_teacher_example, to_success=START_SUCCESS),
     )

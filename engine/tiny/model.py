@@ -7,6 +7,7 @@ roughly 39% greedy accuracy on the reverse task and has room to learn (recipe: s
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
@@ -100,6 +101,22 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return model
 
 
+@dataclass(frozen=True)
+class KnockBack:
+    """After a warm-up that reached its success, a few steps on a weak teacher's sessions (``make_example``)
+    until greedy success on the probe falls to ``to_success`` or below. The skill the warm-up built stays
+    and only its answers go wrong, so an RL run starts a known distance below where it can climb."""
+
+    make_example: Example
+    to_success: float
+    lr: float = 1e-3
+    max_steps: int = 50
+
+
+# A warm-up that asks for a success goes on up to this many times its steps before it gives up.
+MAX_STEPS_FACTOR = 8
+
+
 def warm_up(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
@@ -109,28 +126,51 @@ def warm_up(
     steps: int = WARMUP_STEPS,
     first_turn_steps: int = 0,
     until_success: float | None = None,
+    knock_back: KnockBack | None = None,
 ) -> None:
     """Supervised warm-up: loss on answer tokens and the closing <|im_end|> only. A multi-turn task
     trains on the first turn alone for ``first_turn_steps``: a ~1M model learns the later turns' copying
-    far faster once the first turn's is in place. ``until_success``: after ``steps``, go on (up to 3x
-    ``steps``) until greedy success on a fixed probe batch reaches it; where a task's sharp jump in
-    success falls moves with the machine's arithmetic, and a pinned count can land before it."""
+    far faster once the first turn's is in place. ``until_success``: after ``steps``, go on until greedy
+    success on a fixed probe batch reaches it; where a task's sharp jump in success falls moves with the
+    machine's arithmetic (steps 141-146 on one CPU, 300-660 on another), so a pinned count can stop
+    anywhere inside it. ``knock_back``: then lower the success to a set level (see ``KnockBack``)."""
+    if knock_back is not None and until_success is None:
+        raise ValueError("knock_back needs until_success: it starts from a warm-up that reached it")
     rng = random.Random(seed)
-    probe = _supervised_batch(tokenizer, random.Random(seed + 1), make_example) if until_success is not None else None
+    probe = probe_batch(tokenizer, make_example, seed) if until_success is not None else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model.train()
-    for step in range(steps if probe is None else 3 * steps):
-        if probe is not None and step >= steps and greedy_success(model, *probe) >= until_success:
-            break
-        input_ids, labels = _supervised_batch(tokenizer, rng, make_example, first_turn_only=step < first_turn_steps)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+    step = 0
+    while step < steps or (probe is not None and greedy_success(model, *probe) < until_success):
+        if step == MAX_STEPS_FACTOR * steps:
+            raise RuntimeError(f"the warm-up did not reach greedy success {until_success} in {step} steps")
+        _train_step(model, optimizer, _supervised_batch(tokenizer, rng, make_example, first_turn_only=step < first_turn_steps))
         schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        step += 1
+    if knock_back is not None:
+        _knock_back(model, optimizer, tokenizer, rng, probe, knock_back)
     model.eval()
+
+
+def _knock_back(model, optimizer, tokenizer, rng, probe, knock_back: KnockBack) -> None:
+    # The warm-up's optimizer goes on (its moments included), at the knock-back's rate.
+    for group in optimizer.param_groups:
+        group["lr"] = knock_back.lr
+    for step in range(knock_back.max_steps + 1):
+        if greedy_success(model, *probe) <= knock_back.to_success:
+            return
+        if step < knock_back.max_steps:
+            _train_step(model, optimizer, _supervised_batch(tokenizer, rng, knock_back.make_example))
+    raise RuntimeError(f"the knock-back did not bring greedy success down to {knock_back.to_success} in {knock_back.max_steps} steps")
+
+
+def _train_step(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    input_ids, labels = batch
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def greedy_success(model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
@@ -142,6 +182,13 @@ def greedy_success(model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: tor
     model.train()
     targets = labels[:, 1:]
     return ((predicted == targets) | (targets == -100)).all(-1).float().mean().item()
+
+
+def probe_batch(
+    tokenizer: PreTrainedTokenizerFast, make_example: Example, seed: int = WARMUP_SEED, first_turn_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed batch a warm-up of ``seed`` measures its greedy success on (apart from its training stream)."""
+    return _supervised_batch(tokenizer, random.Random(seed + 1), make_example, first_turn_only)
 
 
 def _supervised_batch(
@@ -179,6 +226,7 @@ def build_tiny_checkpoint(
     added_tokens: tuple[str, ...] = (),
     first_turn_steps: int = 0,
     until_success: float | None = None,
+    knock_back: KnockBack | None = None,
     moe: bool = False,
 ) -> Path:
     """Make, warm up and save the tiny model + tokenizer as an HF checkpoint folder; the bundled
@@ -196,7 +244,7 @@ def build_tiny_checkpoint(
     if warmup:
         warm_up(
             model, tokenizer, warmup_seed, make_example=make_example, steps=warmup_steps, first_turn_steps=first_turn_steps,
-            until_success=until_success,
+            until_success=until_success, knock_back=knock_back,
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
