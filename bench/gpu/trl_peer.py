@@ -67,6 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
+from host_load import describe, host_load  # noqa: E402
 from peer_report import combined_runs, report  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
@@ -363,6 +364,8 @@ def main() -> None:
     order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for done, (round_, name) in enumerate(order, 1):
+        host = host_load()
+        print(f"round {round_} {name}: {describe(host)}", flush=True)
         try:
             if name == "trl":
                 runs[name].append(trl_contestant(args, round_))
@@ -371,6 +374,7 @@ def main() -> None:
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
+        r["host_before"] = host
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
