@@ -75,8 +75,8 @@ def test_the_lookup_task_learns_through_the_flow_and_its_sessions_replay(lookup,
 
 
 def test_the_warmed_up_lookup_model_keeps_its_tool_call_while_its_answers_are_knocked_back(lookup):
-    """What the RL run climbs: the warm-up learned the whole session (success >= 0.9 before the knock-back),
-    the knock-back left the tool call in place and only the answers wrong."""
+    """What the RL run climbs: the warm-up learned whole sessions (it stops at 0.9 on its probe or
+    raises), and the knock-back left the tool call right and only the answers wrong."""
     model = AutoModelForCausalLM.from_pretrained(lookup["model"])
     tokenizer = AutoTokenizer.from_pretrained(lookup["model"])
     tool_calls = tiny_model.probe_batch(tokenizer, lookup_task.make_example, first_turn_only=True)  # the warm-up's probe

@@ -81,10 +81,10 @@ def score(sample: dict[str, Any]) -> float:
 
 
 # The warm-up runs until copying is learned: greedy success jumps from ~5% to ~90% within a few dozen
-# steps, but where the jump falls moves with the machine's arithmetic (steps 141-146 on one CPU, ~300
-# on an AMD EPYC), and a model stopped inside it was left with half a skill that 30 RL steps could not
-# finish on one machine and could on another. So it learns the skill whole, then a weak teacher's
-# sessions knock its answers back down to ~30%: what RL then climbs is the same on every machine.
+# steps, but where the jump falls moves with the machine's arithmetic (steps 141-146 on one CPU, ~310
+# on an AMD EPYC; 231-703 over other warm-up seeds), and a model stopped inside it was left with half a
+# skill that 30 RL steps finished on one machine and not on another. So it learns the skill whole, then
+# a weak teacher's sessions knock its answers back to at most 35%: RL climbs the same way everywhere.
 WARMUP_STEPS = 143
 WARMUP_SUCCESS = 0.9
 START_SUCCESS = 0.35

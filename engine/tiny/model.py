@@ -132,7 +132,7 @@ def warm_up(
     trains on the first turn alone for ``first_turn_steps``: a ~1M model learns the later turns' copying
     far faster once the first turn's is in place. ``until_success``: after ``steps``, go on until greedy
     success on a fixed probe batch reaches it; where a task's sharp jump in success falls moves with the
-    machine's arithmetic (steps 141-146 on one CPU, 300-660 on another), so a pinned count can stop
+    machine's arithmetic (the lookup task's: steps 141-146 on one CPU, ~310 on an AMD EPYC), so a pinned count can stop
     anywhere inside it. ``knock_back``: then lower the success to a set level (see ``KnockBack``)."""
     if knock_back is not None and until_success is None:
         raise ValueError("knock_back needs until_success: it starts from a warm-up that reached it")
