@@ -101,12 +101,14 @@ def weak_teacher_example(rng: random.Random) -> tuple[str, list[tuple[str, bool]
     return prompt, segments
 
 
-def build_checkpoint(out_dir: str | Path, *, warmup: bool = True) -> Path:
-    """The tiny model and tokenizer warmed up on this task (``trellis tiny-model --task lookup``)."""
-    from trellis.engine.tiny.model import KnockBack, build_tiny_checkpoint
+def build_checkpoint(out_dir: str | Path, *, warmup: bool = True, warmup_seed: int | None = None) -> Path:
+    """The tiny model and tokenizer warmed up on this task (``trellis tiny-model --task lookup``).
+    ``warmup_seed``: another data stream than the default's (bench/lookup_warmup_seeds.py)."""
+    from trellis.engine.tiny.model import WARMUP_SEED, KnockBack, build_tiny_checkpoint
 
     return build_tiny_checkpoint(
-        out_dir, warmup=warmup, make_example=make_example, warmup_steps=WARMUP_STEPS,
+        out_dir, warmup=warmup, warmup_seed=WARMUP_SEED if warmup_seed is None else warmup_seed,
+        make_example=make_example, warmup_steps=WARMUP_STEPS,
         first_turn_steps=FIRST_TURN_STEPS, added_tokens=ADDED_TOKENS, until_success=WARMUP_SUCCESS,
         knock_back=KnockBack(weak_teacher_example, to_success=START_SUCCESS),
     )
