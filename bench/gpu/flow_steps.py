@@ -174,6 +174,7 @@ def summarize_mode(rounds: list[dict], mode: str) -> dict:
         "steps_s": steps,
         "workers_idle_fraction": sum(idle) / sum(steps),
         "phase_s": {p: spread(values) for p, values in phases.items()},
+        "phases_s": phases,
         "round_medians_s": [statistics.median(r["flow"]["modes"][mode]["steps_s"]) for r in rounds],
     }
 

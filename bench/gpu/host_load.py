@@ -9,8 +9,13 @@ engine core) and TRL one; what each contestant found on the host tells whether C
 from __future__ import annotations
 
 import os
+import signal
+import statistics
 import subprocess
+import threading
 import time
+
+from core_speed import timed_ms
 
 BENCH_STARTED = time.time()
 BUSY_PERCENT = 1.0  # ps's %CPU: CPU time over the process's whole life
@@ -35,3 +40,75 @@ def host_load(top: int = 5) -> dict:
 def describe(load: dict) -> str:
     processes = ", ".join(f"{p['command']} ({p['cpu_percent']:.0f}%, {p['age_s']} s old)" for p in load["older_busy_processes"])
     return f"host load {load['load_1min']} (1 min) on {load['cpus']} CPUs; busy processes older than this bench: {processes or 'none'}"
+
+
+LEFTOVER_NAMES = ("raylet", "gcs_server", "ray::", "ray/_private", "ray/dashboard", "EngineCore", "prefect.server")
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
+def leftover_processes() -> list[dict]:
+    """Processes of an earlier contestant that outlived it (Ray's daemons and workers, vLLM's engine
+    core, a Prefect server): before a contestant starts, none of them should run."""
+    try:
+        lines = subprocess.run(["ps", "-eo", "pid=,etimes=,pcpu=,args="], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found, mine = [], _ancestors()
+    for line in lines:
+        fields = line.split(None, 3)
+        if len(fields) == 4 and int(fields[0]) not in mine and any(name in fields[3] for name in LEFTOVER_NAMES):
+            found.append({"pid": int(fields[0]), "age_s": int(fields[1]), "cpu_percent": float(fields[2]), "command": fields[3][:120]})
+    return found
+
+
+def end_leftovers() -> list[dict]:
+    """Kill ``leftover_processes`` and say which they were, so that no contestant shares the host's CPUs
+    with what an earlier one left running."""
+    found = leftover_processes()
+    for process in found:
+        try:
+            os.kill(process["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if found:
+        time.sleep(1.0)
+    return found
+
+
+class CoreSpeed:
+    """The milliseconds one fixed Python loop takes (``core_speed.work``), timed once a second on a thread
+    while a contestant runs: a host-bound rollout inherits whatever speed the host's vCPUs show meanwhile
+    (bench/RESULTS.md section 1). The loop takes ~2-5% of one vCPU."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        self.samples_ms: list[float] = []
+        self._every_s, self._done = every_s, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> CoreSpeed:
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._every_s):
+            self.samples_ms.append(timed_ms())
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples_ms:
+            return None
+        ordered = sorted(self.samples_ms)
+        return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1], "n": len(ordered)}

@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from host_load import describe, host_load  # noqa: E402
+from host_load import CoreSpeed, describe, end_leftovers, host_load  # noqa: E402
 from peer_report import combined_runs, report  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
@@ -134,7 +134,9 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
     result = json.loads(out.read_text())
     measured = slice(WARMUP_STEPS, None)
     wall, tokens = result["step_s"][measured], result["response_tokens"][measured]
+    rollout = result["generate_s"][measured]
     return {"step_s": statistics.median(wall), "steps_s": result["step_s"], "trained_response_tokens": sum(tokens),
+            "rollout_s": statistics.median(rollout) if any(rollout) else None, "rollouts_s": result["generate_s"],
             "trained_response_tokens_per_s": sum(tokens) / sum(wall), "response_len_mean": sum(tokens) / sum(result["completions"][measured]),
             "peak_gpu_gib": peak_gib, "settings": {**result["settings"], "measured steps": len(wall)}, "trl": result["versions"]}
 
@@ -158,7 +160,8 @@ def trellis_contestant(args: argparse.Namespace, round_: int, name: str) -> dict
             "trained_response_tokens_per_s": sum(tokens) / sum(flow["steps_s"]), "response_len_mean": sum(tokens) / samples,
             "workers_idle_fraction": flow["workers_idle_fraction"], "peak_gpu_gib": peak_gib,
             "warmup_run_s": result["warmup_run_s"][0], "first_fit_s": result["warmup_phases_s"][0]["time/fit"][0],
-            "measured_fit_s": flow["phase_s"]["time/fit"]["median"],
+            "measured_fit_s": flow["phase_s"]["time/fit"]["median"], "rollout_s": flow["phase_s"]["time/rollout"]["median"],
+            "rollouts_s": flow["phases_s"]["time/rollout"],
             "settings": {**trellis_settings(result["settings"], on_gpu=result["device"] != "cpu",
                                             awake=[records[s].get("memory/engine_awake") for s in steps]),
                          "warm-up steps": result["warmup_steps"], "measured steps": len(steps)}}
@@ -219,8 +222,8 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
     model, data = prepare_model_and_data(args)
     rows = pq.read_table(data).to_pylist()
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
-    record = {"step_s": [], "response_tokens": [], "completions": []}
-    seen = {"tokens": 0, "completions": 0}  # since the step began: TRL generates and scores inside its step
+    record = {"step_s": [], "response_tokens": [], "completions": [], "generate_s": []}
+    seen = {"tokens": 0, "completions": 0, "generate_s": 0.0}  # since the step began: TRL generates and scores inside its step
 
     def reverse_reward(completions, label, completion_ids, **_):
         seen["tokens"] += sum(len(ids) for ids in completion_ids)
@@ -234,13 +237,14 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             synchronize()
-            self.started, seen["tokens"], seen["completions"] = time.perf_counter(), 0, 0
+            self.started, seen["tokens"], seen["completions"], seen["generate_s"] = time.perf_counter(), 0, 0, 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
             synchronize()
             record["step_s"].append(time.perf_counter() - self.started)
             record["response_tokens"].append(seen["tokens"])
             record["completions"].append(seen["completions"])
+            record["generate_s"].append(seen["generate_s"])
 
     torch.set_num_threads(args.torch_threads)  # trellis's workers take the same (cluster.torch_threads)
     per_device = step["prompts"] * step["group"] // step["accumulation"]
@@ -254,6 +258,17 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[reverse_reward], args=config, train_dataset=dataset,
                           processing_class=build_tokenizer(), callbacks=[Clock()])
+    if getattr(trainer, "llm", None) is not None:  # vLLM colocated: its generate calls are the step's rollout
+        generate = trainer.llm.generate
+
+        def timed_generate(*call_args, **call_kwargs):
+            started = time.perf_counter()
+            try:
+                return generate(*call_args, **call_kwargs)
+            finally:
+                seen["generate_s"] += time.perf_counter() - started
+
+        trainer.llm.generate = timed_generate
     trainer.train()
     generation_batch = config.per_device_train_batch_size * config.steps_per_generation
     record["settings"] = {
@@ -322,7 +337,8 @@ def trl_installed() -> bool:
 
 
 FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
-           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "warmup_run_s": ".1f", "first_fit_s": ".2f", "measured_fit_s": ".2f"}
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "warmup_run_s": ".1f", "first_fit_s": ".2f", "measured_fit_s": ".2f",
+           "rollout_s": ".2f", "core_loop_ms_median": ".1f"}
 
 
 def main() -> None:
@@ -364,17 +380,21 @@ def main() -> None:
     order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for done, (round_, name) in enumerate(order, 1):
+        ended = end_leftovers()
         host = host_load()
-        print(f"round {round_} {name}: {describe(host)}", flush=True)
+        print(f"round {round_} {name}: {describe(host)}; ended {len(ended)} leftover processes"
+              + "".join(f"\n  {p['command']} ({p['age_s']} s old, {p['cpu_percent']:.0f}% CPU)" for p in ended), flush=True)
         try:
-            if name == "trl":
-                runs[name].append(trl_contestant(args, round_))
-            else:
-                runs[name].append(trellis_contestant(args, round_, name))
+            with CoreSpeed() as speed:
+                if name == "trl":
+                    runs[name].append(trl_contestant(args, round_))
+                else:
+                    runs[name].append(trellis_contestant(args, round_, name))
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
-        r["host_before"] = host
+        r["host_before"], r["leftovers_ended"], r["core_loop_ms"] = host, ended, speed.summary()
+        r["core_loop_ms_median"] = (r["core_loop_ms"] or {}).get("median")
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)
