@@ -153,16 +153,23 @@ def warm_up(
     model.eval()
 
 
-def _knock_back(model, optimizer, tokenizer, rng, probe, knock_back: KnockBack) -> None:
+def _knock_back(
+    model: Qwen2ForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: PreTrainedTokenizerFast,
+    rng: random.Random,
+    probe: tuple[torch.Tensor, torch.Tensor],
+    knock_back: KnockBack,
+) -> None:
     # The warm-up's optimizer goes on (its moments included), at the knock-back's rate.
     for group in optimizer.param_groups:
         group["lr"] = knock_back.lr
-    for step in range(knock_back.max_steps + 1):
+    for _ in range(knock_back.max_steps):
         if greedy_success(model, *probe) <= knock_back.to_success:
             return
-        if step < knock_back.max_steps:
-            _train_step(model, optimizer, _supervised_batch(tokenizer, rng, knock_back.make_example))
-    raise RuntimeError(f"the knock-back did not bring greedy success down to {knock_back.to_success} in {knock_back.max_steps} steps")
+        _train_step(model, optimizer, _supervised_batch(tokenizer, rng, knock_back.make_example))
+    if greedy_success(model, *probe) > knock_back.to_success:
+        raise RuntimeError(f"the knock-back did not bring greedy success down to {knock_back.to_success} in {knock_back.max_steps} steps")
 
 
 def _train_step(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
