@@ -8,11 +8,13 @@ Random-init Qwen2-0.5B shape, 256 prompts of 128 random tokens, 256 new tokens (
 the engine built as trellis builds it (sleep mode, processed logprobs, no tokenizer). Each engine runs in
 a child process of its own, by default in the order in-process, multiprocess, multiprocess, in-process;
 inside a child the request variants (``VARIANTS``) alternate (order reversed every other round), fresh
-prompts every call.
+prompts every call. ``nocache_K`` engines run in-process with prefix caching off (vLLM hashes every full
+block of 16 tokens of every request, generated ones included, for its prefix cache); ``--group 8`` sends
+each prompt 8 times in a row as GRPO does, so that the cache has something to save.
 GPU busy is NVML's utilization sampled every 20 ms during each call.
 
-    python bench/gpu/vllm_engine_modes.py OUT_DIR [--rounds 3] [--labels inproc_1,inproc_2]
-                                                                    (writes OUT_DIR/engine_modes.json)
+    python bench/gpu/vllm_engine_modes.py OUT_DIR [--rounds 3] [--labels inproc_1,nocache_1,nocache_2,inproc_2]
+        [--variants no_logprobs,trellis] [--group 8]                (writes OUT_DIR/engine_modes.json)
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ VARIANTS = {  # name: (a seed per request, logprobs=0, vLLM's flat logprobs cont
 }
 
 
-def prompts(seed: int) -> list[list[int]]:
+def prompts(seed: int, group: int = 1) -> list[list[int]]:
+    """``BATCH`` prompts: ``BATCH // group`` random ones, each ``group`` times in a row as GRPO sends them."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, 150_000) for _ in range(PROMPT)] for _ in range(BATCH)]
+    distinct = [[rng.randrange(3, 150_000) for _ in range(PROMPT)] for _ in range(BATCH // group)]
+    return [prompt for prompt in distinct for _ in range(group)]
 
 
 class GpuBusy:
@@ -74,13 +78,14 @@ class GpuBusy:
         return statistics.mean(self._samples) if self._samples else None
 
 
-def child(out: Path, label: str, rounds: int) -> None:
+def child(out: Path, label: str, rounds: int, variants: list[str], group: int) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=str(MODEL), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.3,
-              max_model_len=PROMPT + NEW, enable_sleep_mode=True, seed=0, logprobs_mode="processed_logprobs")
+              max_model_len=PROMPT + NEW, enable_sleep_mode=True, seed=0, logprobs_mode="processed_logprobs",
+              enable_prefix_caching=not label.startswith("nocache"))
     start_s = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
     facts = {
@@ -88,6 +93,8 @@ def child(out: Path, label: str, rounds: int) -> None:
         "async_scheduling": config.scheduler_config.async_scheduling,
         "v2_model_runner": getattr(config, "use_v2_model_runner", None),
         "engine_start_s": start_s,
+        "prefix_caching": config.cache_config.enable_prefix_caching,
+        "prompts x repeats": f"{BATCH // group} x {group}",
     }
 
     def run(name: str, batch: list[list[int]]) -> tuple[int, float, float | None]:
@@ -101,14 +108,14 @@ def child(out: Path, label: str, rounds: int) -> None:
             elapsed = time.perf_counter() - t0
         return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed, busy.mean
 
-    for name in VARIANTS:  # warm-up
+    for name in variants:  # warm-up
         run(name, prompts(hash(name) % 1000)[:32])
-    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     seed = 10_000 * (1 + int(label.rsplit("_", 1)[-1]))
     for round_index in range(rounds):
-        for name in VARIANTS if round_index % 2 == 0 else reversed(list(VARIANTS)):
+        for name in variants if round_index % 2 == 0 else reversed(variants):
             seed += 1  # fresh prompts: a repeated prompt would be served from the prefix cache
-            tokens, elapsed, busy = run(name, prompts(seed))
+            tokens, elapsed, busy = run(name, prompts(seed, group))
             results[name].append({"tokens": tokens, "s": elapsed, "tok_s": tokens / elapsed, "gpu_busy_pct": busy})
     (out / f"{label}.json").write_text(json.dumps({"facts": facts, "runs": results}, indent=1))
     print(label, json.dumps(facts), {n: round(statistics.median(r["tok_s"] for r in v)) for n, v in results.items()}, flush=True)
@@ -133,10 +140,12 @@ def summarize(out: Path, labels: list[str]) -> dict:
              for mode, names in by_mode.items()}
     med = {mode: {name: statistics.median(v) for name, v in names.items()} for mode, names in by_mode.items()}
     ratios = {
-        f"{mode}: {name} / trellis": med[mode][name] / med[mode]["trellis"] for mode in med for name in VARIANTS if name != "trellis"
+        f"{mode}: {name} / trellis": med[mode][name] / med[mode]["trellis"]
+        for mode in med for name in med[mode] if name != "trellis" and "trellis" in med[mode]
     }
-    if {"inproc", "mp"} <= med.keys():
-        ratios |= {f"mp / inproc, {name}": med["mp"][name] / med["inproc"][name] for name in VARIANTS}
+    for other in ("mp", "nocache"):
+        if {"inproc", other} <= med.keys():
+            ratios |= {f"{other} / inproc, {name}": med[other][name] / med["inproc"][name] for name in med["inproc"]}
     return {"workload": f"random Qwen2-0.5B shape, {BATCH} x {PROMPT} prompt tokens, {NEW} new (ignore_eos), T=1",
             "facts": facts, "table": table, "ratios_of_medians": ratios}
 
@@ -146,11 +155,15 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", default=None)
-    parser.add_argument("--labels", default="inproc_1,mp_1,mp_2,inproc_2", help="the engines to start, in order")
+    parser.add_argument("--labels", default="inproc_1,mp_1,mp_2,inproc_2",
+                        help="the engines to start, in order: inproc_K, mp_K (vLLM's engine-core process), nocache_K "
+                             "(in-process, prefix caching off)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="the request variants each engine runs")
+    parser.add_argument("--group", type=int, default=1, help="each prompt this many times in a row (GRPO's samples per prompt)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(args.out, args.child, args.rounds)
+        child(args.out, args.child, args.rounds, args.variants.split(","), args.group)
         os._exit(0)  # vLLM's engine threads would hold the process open; the parent ends its engine core
     if not (MODEL / "config.json").exists():
         subprocess.run([sys.executable, ".gpu/tools/make_random_model.py", str(MODEL), "0"], check=True)
@@ -158,7 +171,8 @@ def main() -> None:
     for label in labels:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if label.startswith("inproc") else "1")
         with open(args.out / f"{label}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, __file__, str(args.out), "--rounds", str(args.rounds), "--child", label],
+            proc = subprocess.Popen([sys.executable, __file__, str(args.out), "--rounds", str(args.rounds), "--child", label,
+                                     "--variants", args.variants, "--group", str(args.group)],
                                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=240)
