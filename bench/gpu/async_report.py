@@ -35,6 +35,7 @@ FIGURES = {  # printed for every mode, median over the rounds with the spread be
     "goodput_percent": ".1f",
     "goodput_idle_share": ".2f",
     "goodput_discarded_share": ".2f",
+    "core_loop_ms_median": ".1f",  # the host's core speed while the run ran (host_load.CoreSpeed)
 }
 
 

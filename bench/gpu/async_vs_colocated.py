@@ -68,6 +68,7 @@ use_lean_temporary_server()  # before Prefect is imported: each run starts its t
 from _compare import alternated  # noqa: E402
 from async_report import MODES, combine, report  # noqa: E402
 from engine_steps import random_qwen2_05b  # noqa: E402
+from host_load import clean_host  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: E402
 
@@ -321,9 +322,9 @@ def compare(args: argparse.Namespace) -> dict:
         result = args.out / f"run_{mode}_{round_}.json"
         command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", mode, "--round", str(round_),
                    "--result", str(result)]
-        with open(args.out / f"run_{mode}_{round_}.log", "w") as log:
+        with clean_host(f"round {round_} {mode}") as witness, open(args.out / f"run_{mode}_{round_}.log", "w") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
-        runs[mode].append(json.loads(result.read_text()))
+        runs[mode].append(json.loads(result.read_text()) | witness)
         r = runs[mode][-1]
         print(f"round {round_} {mode:13s} trained tokens/s {r['trained_tokens_per_s']:,.0f}  step median {r['step_s_median']:.2f} s  "
               f"trained response len {r['response_len_mean']:.1f}  trained tokens {r['trained_tokens']:,.0f}", flush=True)

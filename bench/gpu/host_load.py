@@ -14,35 +14,13 @@ import statistics
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from core_speed import timed_ms
 
 BENCH_STARTED = time.time()
 BUSY_PERCENT = 1.0  # ps's %CPU: CPU time over the process's whole life
-
-
-def host_load(top: int = 5) -> dict:
-    load_1min, load_5min, _ = os.getloadavg()
-    bench_age = time.time() - BENCH_STARTED
-    try:
-        lines = subprocess.run(["ps", "-eo", "etimes=,pcpu=,rss=,comm="], capture_output=True, text=True, timeout=10).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        lines = []
-    older = []
-    for line in lines:
-        fields = line.split(None, 3)
-        if len(fields) == 4 and float(fields[0]) > bench_age + 5 and float(fields[1]) >= BUSY_PERCENT:
-            older.append({"age_s": int(fields[0]), "cpu_percent": float(fields[1]), "rss_mib": int(fields[2]) // 1024, "command": fields[3]})
-    older.sort(key=lambda process: -process["cpu_percent"])
-    return {"load_1min": round(load_1min, 2), "load_5min": round(load_5min, 2), "cpus": os.cpu_count(), "older_busy_processes": older[:top]}
-
-
-def describe(load: dict) -> str:
-    processes = ", ".join(f"{p['command']} ({p['cpu_percent']:.0f}%, {p['age_s']} s old)" for p in load["older_busy_processes"])
-    return f"host load {load['load_1min']} (1 min) on {load['cpus']} CPUs; busy processes older than this bench: {processes or 'none'}"
-
-
-LEFTOVER_NAMES = ("raylet", "gcs_server", "ray::", "ray/_private", "ray/dashboard", "EngineCore", "prefect.server")
 
 
 def _ancestors() -> set[int]:
@@ -54,6 +32,30 @@ def _ancestors() -> set[int]:
         except (OSError, IndexError, ValueError):
             break
     return pids
+
+
+def host_load(top: int = 5) -> dict:
+    load_1min, load_5min, _ = os.getloadavg()
+    bench_age = time.time() - BENCH_STARTED
+    try:
+        lines = subprocess.run(["ps", "-eo", "pid=,etimes=,pcpu=,rss=,comm="], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        lines = []
+    older, mine = [], _ancestors()
+    for line in lines:
+        fields = line.split(None, 4)
+        if len(fields) == 5 and int(fields[0]) not in mine and float(fields[1]) > bench_age + 5 and float(fields[2]) >= BUSY_PERCENT:
+            older.append({"age_s": int(fields[1]), "cpu_percent": float(fields[2]), "rss_mib": int(fields[3]) // 1024, "command": fields[4]})
+    older.sort(key=lambda process: -process["cpu_percent"])
+    return {"load_1min": round(load_1min, 2), "load_5min": round(load_5min, 2), "cpus": os.cpu_count(), "older_busy_processes": older[:top]}
+
+
+def describe(load: dict) -> str:
+    processes = ", ".join(f"{p['command']} ({p['cpu_percent']:.0f}%, {p['age_s']} s old)" for p in load["older_busy_processes"])
+    return f"host load {load['load_1min']} (1 min) on {load['cpus']} CPUs; busy processes older than this bench: {processes or 'none'}"
+
+
+LEFTOVER_NAMES = ("raylet", "gcs_server", "ray::", "ray/_private", "ray/dashboard", "EngineCore", "prefect.server")
 
 
 def leftover_processes() -> list[dict]:
@@ -112,3 +114,22 @@ class CoreSpeed:
             return None
         ordered = sorted(self.samples_ms)
         return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+@contextmanager
+def clean_host(label: str) -> Iterator[dict]:
+    """Around one contestant of a comparing bench: first end what earlier contestants (or calls) left
+    running and print the host's load; meanwhile time the host's core speed. The dict it yields gets
+    ``host_before``, ``leftovers_ended``, ``core_loop_ms`` and ``core_loop_ms_median`` when the block ends,
+    also when it raises: merge them into the contestant's record."""
+    ended = end_leftovers()
+    host = host_load()
+    print(f"{label}: {describe(host)}; ended {len(ended)} leftover processes"
+          + "".join(f"\n  {p['command']} ({p['age_s']} s old, {p['cpu_percent']:.0f}% CPU)" for p in ended), flush=True)
+    witness: dict = {}
+    try:
+        with CoreSpeed() as speed:
+            yield witness
+    finally:
+        core = speed.summary()
+        witness.update(host_before=host, leftovers_ended=ended, core_loop_ms=core, core_loop_ms_median=(core or {}).get("median"))

@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from host_load import CoreSpeed, describe, end_leftovers, host_load  # noqa: E402
+from host_load import clean_host  # noqa: E402
 from peer_report import combined_runs, report  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
@@ -380,12 +380,9 @@ def main() -> None:
     order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for done, (round_, name) in enumerate(order, 1):
-        ended = end_leftovers()
-        host = host_load()
-        print(f"round {round_} {name}: {describe(host)}; ended {len(ended)} leftover processes"
-              + "".join(f"\n  {p['command']} ({p['age_s']} s old, {p['cpu_percent']:.0f}% CPU)" for p in ended), flush=True)
+        witness: dict = {}
         try:
-            with CoreSpeed() as speed:
+            with clean_host(f"round {round_} {name}") as witness:
                 if name == "trl":
                     runs[name].append(trl_contestant(args, round_))
                 else:
@@ -393,8 +390,7 @@ def main() -> None:
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
-        r["host_before"], r["leftovers_ended"], r["core_loop_ms"] = host, ended, speed.summary()
-        r["core_loop_ms_median"] = (r["core_loop_ms"] or {}).get("median")
+        r.update(witness)
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)

@@ -85,6 +85,7 @@ sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
+from host_load import clean_host  # noqa: E402
 from peer_report import report  # noqa: E402
 from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
 from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
@@ -97,7 +98,7 @@ DIFFER_BY_DESIGN = {
     "activation checkpointing": "each side's default (verl: on; trellis: off)",
 }
 FIGURES = {"step_s": ".3f", "trained_response_tokens_per_s": ",.0f", "trained_response_tokens": ",.0f", "response_len_mean": ".1f",
-           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f"}
+           "peak_gpu_gib": ".1f", "workers_idle_fraction": ".3f", "core_loop_ms_median": ".1f"}
 
 
 def run_verl(args: argparse.Namespace, round_: int, model: Path, train: Path, val: Path) -> dict:
@@ -245,14 +246,17 @@ def main() -> None:
     order = alternated(names, args.rounds)
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for round_, name in order:
+        witness: dict = {}
         try:
-            if name == "verl":
-                runs[name].append(run_verl(args, round_, model, train, val))
-            else:
-                runs[name].append(trellis_side(args, round_, name))
+            with clean_host(f"round {round_} {name}") as witness:
+                if name == "verl":
+                    runs[name].append(run_verl(args, round_, model, train, val))
+                else:
+                    runs[name].append(trellis_side(args, round_, name))
         except Exception as error:  # the others still run; the log says what broke
             runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
         r = runs[name][-1]
+        r.update(witness)
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}  response mean {r['response_len_mean']:.1f}"), flush=True)
