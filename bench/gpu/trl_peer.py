@@ -258,8 +258,11 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
     )
     trainer = GRPOTrainer(model=str(model), reward_funcs=[reverse_reward], args=config, train_dataset=dataset,
                           processing_class=build_tokenizer(), callbacks=[Clock()])
-    if getattr(trainer, "llm", None) is not None:  # vLLM colocated: its generate calls are the step's rollout
-        generate = trainer.llm.generate
+    # vLLM colocated: TRL 1.16's generation object (its engine call and the processing around it) is the step's
+    # rollout, as trellis's time/rollout is (the weight sync apart on both sides)
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None:
+        generate = generation.generate
 
         def timed_generate(*call_args, **call_kwargs):
             started = time.perf_counter()
@@ -268,7 +271,7 @@ def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
             finally:
                 seen["generate_s"] += time.perf_counter() - started
 
-        trainer.llm.generate = timed_generate
+        generation.generate = timed_generate
     trainer.train()
     generation_batch = config.per_device_train_batch_size * config.steps_per_generation
     record["settings"] = {
