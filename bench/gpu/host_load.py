@@ -1,10 +1,11 @@
-"""What else a GPU host runs as a contestant starts: its load, and the busy processes older than this
-bench, which an earlier call on the same warm machine left behind.
+"""What a GPU host runs and how fast its cores are, around each contestant of a comparing bench
+(``clean_host``): what earlier contestants or calls left running is ended first, the host's load and its
+older busy processes are recorded, and while the contestant runs a thread times one fixed Python loop.
 
-In one lease, trellis's steps took 2.38, 3.13 and 3.56 s in three calls back to back, every phase
-slower (the rollout 1.37 -> 1.84 s, the weight sync 0.12 -> 0.18 s), while TRL's took 4.80, 4.63 and
-4.59 s (bench/results/h100_sleep_auto_2026-12-06). trellis runs several processes (Ray, Prefect, vLLM's
-engine core) and TRL one; what each contestant found on the host tells whether CPUs were shared."""
+Why: in one lease, trellis's steps took 2.38, 3.13 and 3.56 s in three calls back to back (every phase
+slower) while TRL's held at 4.6-4.8 s (bench/results/h100_sleep_auto_2026-12-06), and trellis's rollout
+is one host-bound thread whose speed follows the vCPU's (bench/RESULTS.md section 1). The next lease
+found no leftovers, and trellis's rollout moved with the loop's time (section 3)."""
 
 from __future__ import annotations
 
