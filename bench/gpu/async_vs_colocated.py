@@ -322,7 +322,7 @@ def compare(args: argparse.Namespace) -> dict:
         result = args.out / f"run_{mode}_{round_}.json"
         command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--child", mode, "--round", str(round_),
                    "--result", str(result)]
-        with clean_host(f"round {round_} {mode}") as witness, open(args.out / f"run_{mode}_{round_}.log", "w") as log:
+        with clean_host(f"round {round_} {mode}", end_leftovers_first=args.end_leftovers) as witness, open(args.out / f"run_{mode}_{round_}.log", "w") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
         runs[mode].append(json.loads(result.read_text()) | witness)
         r = runs[mode][-1]
@@ -344,6 +344,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend, small batch")
+    parser.add_argument("--end-leftovers", action="store_true",
+                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
+                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
     parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
     parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
     parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")

@@ -118,19 +118,23 @@ class CoreSpeed:
 
 
 @contextmanager
-def clean_host(label: str) -> Iterator[dict]:
-    """Around one contestant of a comparing bench: first end what earlier contestants (or calls) left
-    running and print the host's load; meanwhile time the host's core speed. The dict it yields gets
-    ``host_before``, ``leftovers_ended``, ``core_loop_ms`` and ``core_loop_ms_median`` when the block ends,
-    also when it raises: merge them into the contestant's record."""
-    ended = end_leftovers()
+def clean_host(label: str, *, end_leftovers_first: bool = False) -> Iterator[dict]:
+    """Around one contestant of a comparing bench: first list what earlier contestants (or calls) left
+    running, and with ``end_leftovers_first`` end it (a lent GPU machine; never a machine whose own Ray
+    cluster or Prefect server would match), and print the host's load; meanwhile time the host's core
+    speed. The dict it yields gets ``host_before``, ``leftovers`` (with ``leftovers_ended``),
+    ``core_loop_ms`` and ``core_loop_ms_median`` when the block ends, also when it raises: merge them into
+    the contestant's record."""
+    found = end_leftovers() if end_leftovers_first else leftover_processes()
     host = host_load()
-    print(f"{label}: {describe(host)}; ended {len(ended)} leftover processes"
-          + "".join(f"\n  {p['command']} ({p['age_s']} s old, {p['cpu_percent']:.0f}% CPU)" for p in ended), flush=True)
+    print(f"{label}: {describe(host)}; {'ended' if end_leftovers_first else 'found'} {len(found)} leftover processes"
+          + "".join(f"\n  {p['command']} ({p['age_s']} s old, {p['cpu_percent']:.0f}% CPU)" for p in found), flush=True)
     witness: dict = {}
+    speed = CoreSpeed()
     try:
-        with CoreSpeed() as speed:
+        with speed:
             yield witness
     finally:
         core = speed.summary()
-        witness.update(host_before=host, leftovers_ended=ended, core_loop_ms=core, core_loop_ms_median=(core or {}).get("median"))
+        witness.update(host_before=host, leftovers=found, leftovers_ended=end_leftovers_first, core_loop_ms=core,
+                       core_loop_ms_median=(core or {}).get("median"))

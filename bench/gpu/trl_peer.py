@@ -355,6 +355,9 @@ def main() -> None:
                         help="torch threads of every process that computes, on both sides")
     parser.add_argument("--trellis-compile", action="store_true", help="the old spelling: 'trellis' in --order is compiled")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers rollout, a few steps")
+    parser.add_argument("--end-leftovers", action="store_true",
+                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
+                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
     parser.add_argument("--round", type=int, help="the first round's number, for a call that makes one round of --combine's")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="CALL_FOLDER",
                         help="no run: the report over earlier calls' folders, in the order they ran")
@@ -385,7 +388,7 @@ def main() -> None:
     for done, (round_, name) in enumerate(order, 1):
         witness: dict = {}
         try:
-            with clean_host(f"round {round_} {name}") as witness:
+            with clean_host(f"round {round_} {name}", end_leftovers_first=args.end_leftovers) as witness:
                 if name == "trl":
                     runs[name].append(trl_contestant(args, round_))
                 else:

@@ -217,6 +217,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 8, help=f"optimizer steps per contestant, the first {WARMUP_STEPS} not measured")
     parser.add_argument("--rounds", type=int, default=1, help="of every contestant, alternated")
+    parser.add_argument("--end-leftovers", action="store_true",
+                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
+                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
     parser.add_argument("--order", default="verl", help=f"contestants in their order within a round, from {', '.join(CONTESTANTS)}")
     parser.add_argument("--vllm-memory", type=float, default=0.3)
     parser.add_argument("--torch-threads", type=int, default=min(4, os.cpu_count() or 1))
@@ -248,7 +251,7 @@ def main() -> None:
     for round_, name in order:
         witness: dict = {}
         try:
-            with clean_host(f"round {round_} {name}") as witness:
+            with clean_host(f"round {round_} {name}", end_leftovers_first=args.end_leftovers) as witness:
                 if name == "verl":
                     runs[name].append(run_verl(args, round_, model, train, val))
                 else:
