@@ -68,7 +68,7 @@ use_lean_temporary_server()  # before Prefect is imported: each run starts its t
 from _compare import alternated  # noqa: E402
 from async_report import MODES, combine, report  # noqa: E402
 from engine_steps import random_qwen2_05b  # noqa: E402
-from host_load import clean_host  # noqa: E402
+from host_load import add_end_leftovers_argument, clean_host  # noqa: E402
 from process_exit import exit_now  # noqa: E402
 from run_facts import caps_digest, staleness_histogram, weights_digest  # noqa: E402
 
@@ -344,9 +344,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=8192)
     parser.add_argument("--sigma", type=float, default=1.0, help="of the lognormal of response caps")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers backend, small batch")
-    parser.add_argument("--end-leftovers", action="store_true",
-                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
-                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
+    add_end_leftovers_argument(parser)
     parser.add_argument("--share-one-gpu", action="store_true", help="disaggregated: both sides on one GPU, half each")
     parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
     parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")

@@ -9,6 +9,7 @@ found no leftovers, and trellis's rollout moved with the loop's time (section 3)
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import statistics
@@ -115,6 +116,12 @@ class CoreSpeed:
             return None
         ordered = sorted(self.samples_ms)
         return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def add_end_leftovers_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--end-leftovers", action="store_true",
+                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
+                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
 
 
 @contextmanager

@@ -7,8 +7,22 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 from _compare import figures_table, settings_table, spread
+from host_load import clean_host
+
+
+def run_contestant(label: str, run: Callable[[], dict], *, end_leftovers_first: bool) -> dict:
+    """One contestant's record, with what ``clean_host`` witnessed around it merged in; an exception
+    becomes the record's ``error``, so the other contestants still run (their log says what broke)."""
+    witness: dict = {}
+    try:
+        with clean_host(label, end_leftovers_first=end_leftovers_first) as witness:
+            record = run()
+    except Exception as error:
+        record = {"error": f"{type(error).__name__}: {error}"[:1000]}
+    return record | witness
 
 
 def combined_runs(folders: list[Path]) -> tuple[dict[str, list[dict]], list[tuple[int, str]]]:

@@ -61,14 +61,15 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from host_load import clean_host  # noqa: E402
-from peer_report import combined_runs, report  # noqa: E402
+from host_load import add_end_leftovers_argument  # noqa: E402
+from peer_report import combined_runs, report, run_contestant  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
 WORK = Path("/tmp/trellis-gpu")
@@ -355,9 +356,7 @@ def main() -> None:
                         help="torch threads of every process that computes, on both sides")
     parser.add_argument("--trellis-compile", action="store_true", help="the old spelling: 'trellis' in --order is compiled")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, transformers rollout, a few steps")
-    parser.add_argument("--end-leftovers", action="store_true",
-                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
-                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
+    add_end_leftovers_argument(parser)
     parser.add_argument("--round", type=int, help="the first round's number, for a call that makes one round of --combine's")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="CALL_FOLDER",
                         help="no run: the report over earlier calls' folders, in the order they ran")
@@ -386,17 +385,9 @@ def main() -> None:
     order = [(round_ + (args.round or 1) - 1, name) for round_, name in alternated(names, args.rounds)]
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for done, (round_, name) in enumerate(order, 1):
-        witness: dict = {}
-        try:
-            with clean_host(f"round {round_} {name}", end_leftovers_first=args.end_leftovers) as witness:
-                if name == "trl":
-                    runs[name].append(trl_contestant(args, round_))
-                else:
-                    runs[name].append(trellis_contestant(args, round_, name))
-        except Exception as error:  # the others still run; the log says what broke
-            runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
+        run = partial(trl_contestant, args, round_) if name == "trl" else partial(trellis_contestant, args, round_, name)
+        runs[name].append(run_contestant(f"round {round_} {name}", run, end_leftovers_first=args.end_leftovers))
         r = runs[name][-1]
-        r.update(witness)
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}"), flush=True)

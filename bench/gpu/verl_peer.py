@@ -77,6 +77,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -85,8 +86,8 @@ sys.path.insert(0, str(REPO))  # engine/, for the model and prompts
 sys.path.insert(0, str(HERE.parent))  # bench/, for _compare
 sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
-from host_load import clean_host  # noqa: E402
-from peer_report import report  # noqa: E402
+from host_load import add_end_leftovers_argument  # noqa: E402
+from peer_report import report, run_contestant  # noqa: E402
 from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
 from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
 from verl_records import phase_medians, read_steps  # noqa: E402
@@ -217,9 +218,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=WARMUP_STEPS + 8, help=f"optimizer steps per contestant, the first {WARMUP_STEPS} not measured")
     parser.add_argument("--rounds", type=int, default=1, help="of every contestant, alternated")
-    parser.add_argument("--end-leftovers", action="store_true",
-                        help="kill what earlier contestants or calls left running (Ray, vLLM's engine core, a Prefect server) before "
-                             "each contestant: for a lent GPU machine, not one whose own cluster or server would match")
+    add_end_leftovers_argument(parser)
     parser.add_argument("--order", default="verl", help=f"contestants in their order within a round, from {', '.join(CONTESTANTS)}")
     parser.add_argument("--vllm-memory", type=float, default=0.3)
     parser.add_argument("--torch-threads", type=int, default=min(4, os.cpu_count() or 1))
@@ -249,17 +248,9 @@ def main() -> None:
     order = alternated(names, args.rounds)
     print("order:", " ".join(f"{name}[{round_}]" for round_, name in order), flush=True)
     for round_, name in order:
-        witness: dict = {}
-        try:
-            with clean_host(f"round {round_} {name}", end_leftovers_first=args.end_leftovers) as witness:
-                if name == "verl":
-                    runs[name].append(run_verl(args, round_, model, train, val))
-                else:
-                    runs[name].append(trellis_side(args, round_, name))
-        except Exception as error:  # the others still run; the log says what broke
-            runs[name].append({"error": f"{type(error).__name__}: {error}"[:1000]})
+        run = partial(run_verl, args, round_, model, train, val) if name == "verl" else partial(trellis_side, args, round_, name)
+        runs[name].append(run_contestant(f"round {round_} {name}", run, end_leftovers_first=args.end_leftovers))
         r = runs[name][-1]
-        r.update(witness)
         print(f"round {round_} {name:16s} " + (r["error"] if "error" in r else
               f"step median {r['step_s']:.3f} s  trained response tokens/s {r['trained_response_tokens_per_s']:,.0f}  "
               f"trained response tokens {r['trained_response_tokens']:,.0f}  response mean {r['response_len_mean']:.1f}"), flush=True)
