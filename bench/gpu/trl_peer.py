@@ -55,12 +55,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from functools import partial
 from pathlib import Path
 
@@ -70,58 +66,15 @@ sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
 from host_load import add_end_leftovers_argument  # noqa: E402
 from peer_report import combined_runs, report, run_contestant  # noqa: E402
+from peer_workload import TOKENS_COUNTED, WARMUP_STEPS, WORK, model_dir, prepare_model_and_data, run_child, shared  # noqa: E402
 from run_facts import files_digest, weights_digest  # noqa: E402
 
-WORK = Path("/tmp/trellis-gpu")
-WARMUP_STEPS = 2
 CONTESTANTS = ("trl", "trellis", "trellis-eager", "trellis-compiled", "trellis-asleep")
 CONTESTANT_FLAGS = {"trellis": [], "trellis-eager": ["--no-compile"], "trellis-compiled": ["--compile"],  # trellis: the default
                     "trellis-asleep": ["--sleep-level", "1"]}
-# A GPU step: 32 prompts x 8 samples of up to 256 tokens; TRL reaches 256 completions with 8 accumulation steps.
-GPU = dict(prompts=32, group=8, new_tokens=256, accumulation=8, lr=1e-6, temperature=1.0)
-SMOKE = dict(prompts=4, group=4, new_tokens=8, accumulation=1, lr=1e-6, temperature=1.0)
-TOKENS_COUNTED = "response tokens up to and including EOS, of every trained sample"
 DIFFER_BY_DESIGN = {"compiled": "trellis runs both ways; TRL keeps its default", "tokens counted from": "each side's own records",
                     "vLLM asleep during the fit": "each side's default (trellis: rollout.sleep_level auto, asleep where a fit "
                                                   "needs the memory; TRL: no sleep mode)"}
-
-
-class PeakGpuMemory:
-    """The most device memory in use (MiB) while the block runs, as nvidia-smi reports it (None without one)."""
-
-    def __enter__(self) -> PeakGpuMemory:
-        self.peak_mib: int | None = 0 if shutil.which("nvidia-smi") else None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        if self.peak_mib is not None:
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.2):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True).stdout.split()
-            if out:
-                self.peak_mib = max(self.peak_mib, int(out[0]))
-
-    def __exit__(self, *_) -> None:
-        self._done.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-
-def run_child(command: list[str], log: Path, env: dict[str, str]) -> float | None:
-    with PeakGpuMemory() as memory, open(log, "w") as handle:
-        subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    return memory.peak_mib / 1024 if memory.peak_mib is not None else None
-
-
-def shared(args: argparse.Namespace) -> dict:
-    return SMOKE if args.smoke else GPU
-
-
-def model_dir(args: argparse.Namespace) -> Path:
-    return WORK / ("tiny-model" if args.smoke else "qwen2-05b-random")
 
 
 def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
@@ -129,7 +82,7 @@ def trl_contestant(args: argparse.Namespace, round_: int) -> dict:
     from engine_steps import vllm_child_env
 
     env = vllm_child_env()  # vLLM runs in TRL's own process
-    command = [sys.executable, str(Path(__file__)), str(args.out), "--trl-child", str(out), "--steps", str(args.steps),
+    command = [sys.executable, str(HERE / "trl_runner.py"), str(out), "--steps", str(args.steps),
                "--vllm-memory", str(args.vllm_memory), "--torch-threads", str(args.torch_threads)] + (["--smoke"] if args.smoke else [])
     peak_gib = run_child(command, args.out / f"trl_{round_}.log", env)
     result = json.loads(out.read_text())
@@ -207,120 +160,6 @@ def engine_slept(sleep_level: str | int, awake: list[float | None]) -> bool:
     return 0.0 in awake if sleep_level == "auto" else sleep_level != 0
 
 
-def trl_child(out: Path, steps: int, args: argparse.Namespace) -> None:
-    """TRL's GRPOTrainer as its docs set it up for one GPU with vLLM colocated (``--smoke``: on CPU)."""
-    import pyarrow.parquet as pq
-    import torch
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from trellis.engine.tiny.model import build_tokenizer
-
-    step = shared(args)
-    model, data = prepare_model_and_data(args)
-    rows = pq.read_table(data).to_pylist()
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "label": r["label"]} for r in rows])
-    record = {"step_s": [], "response_tokens": [], "completions": [], "generate_s": []}
-    seen = {"tokens": 0, "completions": 0, "generate_s": 0.0}  # since the step began: TRL generates and scores inside its step
-
-    def reverse_reward(completions, label, completion_ids, **_):
-        seen["tokens"] += sum(len(ids) for ids in completion_ids)
-        seen["completions"] += len(completion_ids)
-        return [1.0 if c[0]["content"].strip() == answer else 0.0 for c, answer in zip(completions, label)]
-
-    def synchronize() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            synchronize()
-            self.started, seen["tokens"], seen["completions"], seen["generate_s"] = time.perf_counter(), 0, 0, 0.0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            synchronize()
-            record["step_s"].append(time.perf_counter() - self.started)
-            record["response_tokens"].append(seen["tokens"])
-            record["completions"].append(seen["completions"])
-            record["generate_s"].append(seen["generate_s"])
-
-    torch.set_num_threads(args.torch_threads)  # trellis's workers take the same (cluster.torch_threads)
-    per_device = step["prompts"] * step["group"] // step["accumulation"]
-    config = GRPOConfig(
-        output_dir=str(WORK / "trl_out"), use_vllm=not args.smoke, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_memory,
-        vllm_enable_sleep_mode=False, per_device_train_batch_size=per_device, gradient_accumulation_steps=step["accumulation"],
-        num_generations=step["group"], max_completion_length=step["new_tokens"], bf16=not args.smoke, use_cpu=args.smoke,
-        beta=0.0, learning_rate=step["lr"], temperature=step["temperature"], max_steps=steps, logging_steps=1,
-        gradient_checkpointing=False,  # TRL's GRPO default is on; trellis's is off
-        save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
-    )
-    trainer = GRPOTrainer(model=str(model), reward_funcs=[reverse_reward], args=config, train_dataset=dataset,
-                          processing_class=build_tokenizer(), callbacks=[Clock()])
-    # vLLM colocated: TRL 1.16's generation object (its engine call and the processing around it) is the step's
-    # rollout, as trellis's time/rollout is (the weight sync apart on both sides)
-    generation = getattr(trainer, "vllm_generation", None)
-    if generation is not None:
-        generate = generation.generate
-
-        def timed_generate(*call_args, **call_kwargs):
-            started = time.perf_counter()
-            try:
-                return generate(*call_args, **call_kwargs)
-            finally:
-                seen["generate_s"] += time.perf_counter() - started
-
-        generation.generate = timed_generate
-    trainer.train()
-    generation_batch = config.per_device_train_batch_size * config.steps_per_generation
-    record["settings"] = {
-        "model (weights digest)": f"{model.name} ({weights_digest(model)})",
-        "prompts file digest": files_digest([data]),
-        "prompts x samples per step": f"{generation_batch // config.num_generations} x {config.num_generations}",
-        "max new tokens": config.max_completion_length,
-        "rollout engine": "vllm" if config.use_vllm else "transformers",
-        "vLLM gpu_memory_utilization": config.vllm_gpu_memory_utilization if config.use_vllm else "no vLLM",
-        "temperature": config.temperature,
-        "learning rate": config.learning_rate,
-        "KL coefficient": config.beta,
-        "optimizer steps per batch": config.num_iterations * config.steps_per_generation // config.gradient_accumulation_steps,
-        "trainer resident (no offload)": not config.vllm_enable_sleep_mode,
-        "vLLM asleep during the fit": config.vllm_enable_sleep_mode,
-        "torch threads (CPU ops)": torch.get_num_threads(),
-        "activation checkpointing": config.gradient_checkpointing,
-        "weights / compute dtype": f"{str(next(trainer.model.parameters()).dtype).removeprefix('torch.')} / "
-                                   f"{'bfloat16' if config.bf16 else 'float32'}",
-        "compiled": config.torch_compile,
-        "tokens counted": TOKENS_COUNTED,
-        "tokens counted from": "reward function: len(completion_ids) (cut after EOS)",
-        "warm-up steps": WARMUP_STEPS,
-    }
-    vllm = __import__("vllm").__version__ if config.use_vllm else None
-    record["versions"] = {"trl": trl.__version__, "vllm": vllm, "transformers": transformers.__version__,
-                          "torch": torch.__version__, "param_dtype": str(next(trainer.model.parameters()).dtype)}
-    out.write_text(json.dumps(record))
-
-
-def prepare_model_and_data(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The model and prompts both sides read (built once, before the first contestant)."""
-    from trellis.engine.tiny.model import build_tiny_checkpoint, build_tokenizer
-    from trellis.engine.tiny.reverse_task import write_dataset
-
-    model, data = model_dir(args), WORK / "train.parquet"
-    if not (model / "config.json").exists():
-        if args.smoke:
-            build_tiny_checkpoint(model)
-        else:
-            from engine_steps import random_qwen2_05b
-
-            random_qwen2_05b(build_tokenizer(), model)
-    if not data.exists():
-        write_dataset(data, 2048, seed=0)
-    return model, data
-
-
 def contestants(args: argparse.Namespace) -> list[str]:
     names = args.order.split(",")
     if args.trellis_compile:  # the old spelling: "trellis" meant the compiled one
@@ -360,13 +199,12 @@ def main() -> None:
     parser.add_argument("--round", type=int, help="the first round's number, for a call that makes one round of --combine's")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="CALL_FOLDER",
                         help="no run: the report over earlier calls' folders, in the order they ran")
-    parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.steps = min(args.steps, WARMUP_STEPS + 2)
     if args.steps < WARMUP_STEPS + 2:
         parser.error(f"--steps: {WARMUP_STEPS} warm-up steps and at least 2 measured ones")
-    if args.rounds < 2 and not args.trl_child and args.round is None and not args.combine:
+    if args.rounds < 2 and args.round is None and not args.combine:
         parser.error("--rounds: a comparison needs at least two rounds of each contestant, alternated (or rounds in "
                      "calls of their own, --rounds 1 --round K, then --combine)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -376,9 +214,6 @@ def main() -> None:
         report_file.write_text(json.dumps(trl_report(args, runs, order), indent=1))
         return
     WORK.mkdir(parents=True, exist_ok=True)
-    if args.trl_child:
-        trl_child(args.trl_child, args.steps, args)
-        os._exit(0)  # vLLM's engine threads would hold the process open
     prepare_model_and_data(args)
     names = contestants(args)
     runs: dict[str, list[dict]] = {name: [] for name in names}

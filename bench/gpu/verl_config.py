@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from run_facts import files_digest, weights_digest
-from trl_peer import GPU, TOKENS_COUNTED, WORK
+from peer_workload import GPU, TOKENS_COUNTED, WORK
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

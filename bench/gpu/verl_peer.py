@@ -88,7 +88,7 @@ sys.path.insert(0, str(HERE))
 from _compare import alternated  # noqa: E402
 from host_load import add_end_leftovers_argument  # noqa: E402
 from peer_report import report, run_contestant  # noqa: E402
-from trl_peer import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
+from peer_workload import WARMUP_STEPS, WORK, PeakGpuMemory, prepare_model_and_data  # noqa: E402
 from verl_config import dry_run, overrides, verl_data, verl_defaults_kept, verl_env, verl_settings  # noqa: E402
 from verl_records import phase_medians, read_steps  # noqa: E402
 

@@ -8,7 +8,7 @@ import re
 import statistics
 from pathlib import Path
 
-from trl_peer import GPU
+from peer_workload import GPU
 
 CONSOLE_STEP = re.compile(r"step:(\d+) - (.*)")
 NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
