@@ -13,8 +13,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from filelock import FileLock
 
 from trellis.engine.tiny import lookup_task
 from trellis.engine.tiny.model import build_tiny_checkpoint
@@ -42,9 +44,27 @@ def pytest_configure(config):
     config.add_cleanup(environment.undo)  # cleanups run last first: the variable goes, then the folder
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``build(folder)`` run once per test session: `make test` runs two test processes (pytest-xdist),
+    and the first to ask builds in a folder of the session's that both see while the other waits for it
+    (the lookup model's warm-up takes 2-3 minutes on one thread, and was paid in each process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: its own temporary folder
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    folder = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # the session's, above each worker's own
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a process that died mid-build left
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+    return built_once(tmp_path_factory, "tiny", lambda folder: build_tiny_checkpoint(folder / "model")) / "model"
 
 
 @pytest.fixture(scope="session")
@@ -59,12 +79,13 @@ def reverse_data(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def lookup(tmp_path_factory) -> dict[str, Path]:
     """The bundled multi-turn task: its warmed-up model and prompts, as `trellis tiny-model --task lookup` makes them."""
-    root = tmp_path_factory.mktemp("lookup")
-    return {
-        "model": lookup_task.build_checkpoint(root / "model"),
-        "train": lookup_task.write_dataset(root / "train.parquet", 4096, seed=0),
-        "eval": lookup_task.write_dataset(root / "eval.parquet", 512, seed=lookup_task.EVAL_SEED_OFFSET),
-    }
+    def build(root: Path) -> None:
+        lookup_task.build_checkpoint(root / "model")
+        lookup_task.write_dataset(root / "train.parquet", 4096, seed=0)
+        lookup_task.write_dataset(root / "eval.parquet", 512, seed=lookup_task.EVAL_SEED_OFFSET)
+
+    root = built_once(tmp_path_factory, "lookup", build)
+    return {"model": root / "model", "train": root / "train.parquet", "eval": root / "eval.parquet"}
 
 
 ROOT = Path(__file__).resolve().parents[1]
