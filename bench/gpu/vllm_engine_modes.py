@@ -9,7 +9,8 @@ the engine built as trellis builds it (sleep mode, processed logprobs, no tokeni
 a child process of its own, by default in the order in-process, multiprocess, multiprocess, in-process;
 inside a child the request variants (``VARIANTS``) alternate (order reversed every other round), fresh
 prompts every call. ``nocache_K`` engines run in-process with prefix caching off (vLLM hashes every full
-block of 16 tokens of every request, generated ones included, for its prefix cache); ``--group 8`` sends
+block of 16 tokens of every request, generated ones included, for its prefix cache); ``block32_K`` engines
+run in-process with KV blocks of 32 tokens (half the blocks to allocate and hash); ``--group 8`` sends
 each prompt 8 times in a row as GRPO does, so that the cache has something to save.
 GPU busy is NVML's utilization sampled every 20 ms during each call.
 
@@ -83,9 +84,10 @@ def child(out: Path, label: str, rounds: int, variants: list[str], group: int) -
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
+    block = {"block_size": 32} if label.startswith("block32") else {}
     llm = LLM(model=str(MODEL), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.3,
               max_model_len=PROMPT + NEW, enable_sleep_mode=True, seed=0, logprobs_mode="processed_logprobs",
-              enable_prefix_caching=not label.startswith("nocache"))
+              enable_prefix_caching=not label.startswith("nocache"), **block)
     start_s = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
     facts = {
@@ -94,6 +96,7 @@ def child(out: Path, label: str, rounds: int, variants: list[str], group: int) -
         "v2_model_runner": getattr(config, "use_v2_model_runner", None),
         "engine_start_s": start_s,
         "prefix_caching": config.cache_config.enable_prefix_caching,
+        "block_size": config.cache_config.block_size,
         "prompts x repeats": f"{BATCH // group} x {group}",
     }
 
@@ -143,7 +146,7 @@ def summarize(out: Path, labels: list[str]) -> dict:
         f"{mode}: {name} / trellis": med[mode][name] / med[mode]["trellis"]
         for mode in med for name in med[mode] if name != "trellis" and "trellis" in med[mode]
     }
-    for other in ("mp", "nocache"):
+    for other in ("mp", "nocache", "block32"):
         if {"inproc", other} <= med.keys():
             ratios |= {f"{other} / inproc, {name}": med[other][name] / med["inproc"][name] for name in med["inproc"]}
     return {"workload": f"random Qwen2-0.5B shape, {BATCH} x {PROMPT} prompt tokens, {NEW} new (ignore_eos), T=1",
@@ -157,7 +160,7 @@ def main() -> None:
     parser.add_argument("--child", default=None)
     parser.add_argument("--labels", default="inproc_1,mp_1,mp_2,inproc_2",
                         help="the engines to start, in order: inproc_K, mp_K (vLLM's engine-core process), nocache_K "
-                             "(in-process, prefix caching off)")
+                             "(in-process, prefix caching off), block32_K (in-process, 32-token KV blocks)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the request variants each engine runs")
     parser.add_argument("--group", type=int, default=1, help="each prompt this many times in a row (GRPO's samples per prompt)")
     args = parser.parse_args()
@@ -169,7 +172,7 @@ def main() -> None:
         subprocess.run([sys.executable, ".gpu/tools/make_random_model.py", str(MODEL), "0"], check=True)
     labels = args.labels.split(",")
     for label in labels:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0" if label.startswith("inproc") else "1")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if label.startswith("mp") else "0")
         with open(args.out / f"{label}.log", "w") as log:
             proc = subprocess.Popen([sys.executable, __file__, str(args.out), "--rounds", str(args.rounds), "--child", label,
                                      "--variants", args.variants, "--group", str(args.group)],
