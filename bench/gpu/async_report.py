@@ -13,6 +13,7 @@ MODES = ("colocated", "disaggregated")
 
 DIFFER_BY_DESIGN = {
     "trainer": "the two trainers compared",
+    "max_staleness, tail lane trigger": "the asynchronous trainer's own settings",
     "GPUs held": "each mode holds what it needs",
     "vLLM gpu_memory_utilization": "a colocated engine shares its GPU with the trainer",
 }

@@ -6,8 +6,9 @@ warm-up and measured steps, both as Prefect flows on a local Ray cluster that tr
 
 - ``colocated``: trainer and rollout share one GPU; with ``--workers N``, N GPUs each hold a trainer rank
   (one FSDP2 group over NCCL) and a rollout worker, and the batch grows N-fold (same batch per GPU);
-- ``disaggregated``: 1 trainer GPU + 1 rollout GPU, ``max_staleness`` 1, partial rollout on; weights
-  go trainer -> rollout over NCCL.
+- ``disaggregated``: 1 trainer GPU + 1 rollout GPU, ``max_staleness`` 1 (``--max-staleness``), partial
+  rollout on, expired groups generated again at once (``--tail-trigger N``: set aside for the tail lane);
+  weights go trainer -> rollout over NCCL.
 
 The modes run alternately (A B A B: ``--rounds`` of each), each run in its own process on a fresh
 cluster; every figure is its median over the rounds with the spread (min .. max) beside it. First,
@@ -173,7 +174,8 @@ def run_config(work: Path, args: argparse.Namespace):
     if disaggregated:
         settings.update(
             trainer="disaggregated",
-            replay_buffer={"kind": "async", "max_staleness": 1, "enable_partial_rollout": True},
+            replay_buffer={"kind": "async", "max_staleness": args.max_staleness, "enable_partial_rollout": True,
+                           "tail_batch_trigger_size": args.tail_trigger},
             train_resources={"accelerators_per_worker": 0.5 if args.share_one_gpu else 1},
             rollout_resources={
                 "num_workers": args.rollout_workers,
@@ -222,6 +224,8 @@ def run_settings(config, records: dict[int, dict], args: argparse.Namespace, hel
         "measured steps": f"{measured[0]}..{measured[-1]} ({len(measured)})" if measured else "none",
         "tokens counted": "prompt + response tokens of every trained sample (metrics: training_tokens)",
         "trainer": config.trainer,
+        "max_staleness, tail lane trigger": f"{config.replay_buffer.max_staleness}, {config.replay_buffer.tail_batch_trigger_size}"
+        if config.trainer == "disaggregated" else "(colocated: none)",
         "GPUs held": held_gpus or "none (CPU)",
         "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization if rollout.backend == "vllm" else "no vLLM",
     }
@@ -349,6 +353,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="colocated: GPUs, each a trainer rank and a rollout worker")
     parser.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="of the random Qwen2 model")
     parser.add_argument("--rollout-workers", type=int, default=1, help="disaggregated: vLLM engines sharing the rollout GPU(s)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="disaggregated: replay_buffer.max_staleness")
+    parser.add_argument("--tail-trigger", type=int, default=0,
+                        help="disaggregated: replay_buffer.tail_batch_trigger_size (0: expired groups generated again at once)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=1, help="the first round's number (a single-mode run made for --combine)")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="RUN_FOLDER",
