@@ -27,6 +27,7 @@ from trellis.engine.rollout.backends.base import Generation, SamplingParams, in_
 from trellis.engine.rollout.production.controller import Controller
 from trellis.engine.rollout.backends.pool import RolloutPool
 from trellis.engine.run.identity import WorkerFingerprint
+from trellis.engine.run.plan import resolve_total_steps
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
 from trellis.engine.storage.trackers import Trackers
@@ -89,13 +90,19 @@ class BuiltFrom:
 @ray.remote(num_cpus=0)
 class TrainerActor(BuiltFrom):
     """One rank of the run's trainer. With several ranks, the worker is built once every rank has
-    joined the trainer group (``join_trainer_group``, called on all ranks at once)."""
+    joined the trainer group (``join_trainer_group``, called on all ranks at once).
+
+    It is created beside the run's controller, not after it, so that the two processes start (most of
+    it importing torch and transformers) at once; what the trainer needs of the controller (the
+    dataset's size, for the total steps the schedule spans, and the pad token) it asks here."""
 
     def __init__(self, config: TrellisConfig, fingerprint: WorkerFingerprint, credentials: Credentials,
-                 total_train_steps: int, pad_token_id: int, rank: int = 0, world_size: int = 1) -> None:
+                 controller: ray.actor.ActorHandle, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(config, fingerprint, credentials, "train")
         self._config = config
-        self._build = dict(total_train_steps=total_train_steps, pad_token_id=pad_token_id)
+        info: ControllerInfo = ray.get(controller.info.remote(), timeout=config.cluster.ray_get_timeout_s)
+        # The total comes from this run's config: a re-attached run may extend the first one.
+        self._build = dict(total_train_steps=resolve_total_steps(config, info.dataset_size), pad_token_id=info.pad_token_id)
         self.rank, self.world_size = rank, world_size
         self._device = resolve_device(config.train_worker.device)
         self._on_gpu = self._device.type == "cuda"

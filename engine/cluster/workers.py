@@ -46,7 +46,7 @@ from trellis.engine.run.attested_sync import attested_sync
 from trellis.engine.run.code_bundle import CodeBundle, shipped_code
 from trellis.engine.run.run_log import run_log_for
 from trellis.engine.run.identity import WorkerFingerprint
-from trellis.engine.run.plan import ROLES, Role, WorkerFacts, resolve_total_steps, roles_for
+from trellis.engine.run.plan import ROLES, Role, WorkerFacts, roles_for
 from trellis.engine.run.resume import StartPlan
 from trellis.engine.secrets import Credentials
 from trellis.engine.storage.store import Store
@@ -155,12 +155,15 @@ class RunWorkers:
 
     def attach(self) -> WorkerFacts:
         """Get the run's actors, creating those that do not exist (or died) and replacing those built
-        from other code or settings; report where they stand. A start that fails with no actor of the
-        run left alive also gives back the run's placement groups, which would hold their devices. A
-        worker lost or failing meanwhile is named (``WorkerError``), as in ``wait``."""
+        from other code or settings; report where they stand. A start that fails ends the actors it
+        created (a controller that cannot start leaves the workers started beside it), and with no actor
+        of the run left alive it also gives back the run's placement groups, which would hold their
+        devices. A worker lost or failing meanwhile is named (``WorkerError``), as in ``wait``."""
+        alive_before = {name for role in ROLES for name in self.names(role) if self._named_alive(name)}
         try:
             return self._attach()
         except Exception as error:
+            self._kill([name for role in ROLES for name in self.names(role) if name not in alive_before])
             if not any(self._alive(role) for role in ROLES):
                 remove_side_placements(self.config)
             if isinstance(error, (RayTaskError, RayActorError)):
@@ -180,14 +183,17 @@ class RunWorkers:
     def _attach(self) -> WorkerFacts:
         check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
         self._retire_stale_workers()
+        # Every role's actors are asked for at once: a new worker's process spends seconds importing
+        # torch and transformers before its constructor runs, and those starts overlap.
         controller = self._get_or_create("controller", 0)
-        info: ControllerInfo = self.wait(controller.info.remote())
-        # The total comes from this run's config: a re-attached run may extend the first one.
-        total = resolve_total_steps(self.config, info.dataset_size)
-        trainers = self._trainer_group(total, info.pad_token_id) if "trainer" in self.roles else []
         rollouts = []
         if "rollout" in self.roles:
             rollouts = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in range(self.count("rollout"))]
+        trainers, new_group = self._trainer_ranks(controller) if "trainer" in self.roles else ([], False)
+        info: ControllerInfo = self.wait(controller.info.remote())  # a controller that cannot start is named first
+        if new_group:
+            host, port = self.wait(trainers[0].trainer_group_address.remote())
+            self.wait([rank.join_trainer_group.remote(host, port) for rank in trainers])
         applied = self.wait(trainers[0].applied_step.remote()) if trainers else 0
         served = self.wait([r.policy_version.remote() for r in rollouts]) if rollouts else [0]
         if trainers and rollouts and ((applied > 0 and min(served) == 0) or self._unattested()):
@@ -208,18 +214,17 @@ class RunWorkers:
             train_on_gpu=train_gpu is not None,
         )
 
-    def _trainer_group(self, total_train_steps: int, pad_token_id: int) -> list[ActorHandle]:
-        """The trainer ranks. A group with a rank missing is rebuilt whole: the ranks left wait in
-        collectives for the lost one, and a torch.distributed group takes no new member."""
+    def _trainer_ranks(self, controller: ActorHandle) -> tuple[list[ActorHandle], bool]:
+        """The trainer ranks (each asks ``controller`` what it needs to build), and whether they are a
+        new group of several that must join before use. A group with a rank missing is rebuilt whole:
+        the ranks left wait in collectives for the lost one, and a torch.distributed group takes no new
+        member."""
         names, world = self.names("trainer"), self.count("trainer")
         complete = all(self._named_alive(name) for name in names)
         if not complete:
             self._kill(names)
-        ranks = [self._get_or_create("trainer", rank, total_train_steps, pad_token_id, rank, world) for rank in range(world)]
-        if world > 1 and not complete:
-            host, port = self.wait(ranks[0].trainer_group_address.remote())
-            self.wait([rank.join_trainer_group.remote(host, port) for rank in ranks])
-        return ranks
+        ranks = [self._get_or_create("trainer", rank, controller, rank, world) for rank in range(world)]
+        return ranks, world > 1 and not complete
 
     def _kill(self, names: list[str]) -> None:
         """Kill the named actors and wait until their names are free for new ones."""
