@@ -159,11 +159,11 @@ class RunWorkers:
         created (a controller that cannot start leaves the workers started beside it), and with no actor
         of the run left alive it also gives back the run's placement groups, which would hold their
         devices. A worker lost or failing meanwhile is named (``WorkerError``), as in ``wait``."""
-        alive_before = {name for role in ROLES for name in self.names(role) if self._named_alive(name)}
+        created: list[str] = []
         try:
-            return self._attach()
+            return self._attach(created)
         except Exception as error:
-            self._kill([name for role in ROLES for name in self.names(role) if name not in alive_before])
+            self._kill(created)
             if not any(self._alive(role) for role in ROLES):
                 remove_side_placements(self.config)
             if isinstance(error, (RayTaskError, RayActorError)):
@@ -180,9 +180,11 @@ class RunWorkers:
         except ValueError:  # no live actor of that name
             return False
 
-    def _attach(self) -> WorkerFacts:
+    def _attach(self, created: list[str]) -> WorkerFacts:
+        """``created`` gets the names of the actors this start creates, before it creates them."""
         check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
         self._retire_stale_workers()
+        created += self.lost()  # the workers that do not run now are those this start creates
         # Every role's actors are asked for at once: a new worker's process spends seconds importing
         # torch and transformers before its constructor runs, and those starts overlap.
         controller = self._get_or_create("controller", 0)
