@@ -15,6 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoTokenizer
 
 from trellis.engine.cluster.workers import RunWorkers
+from trellis.engine.errors import WorkerError
+from trellis.engine.faults import FAULT_FILE
 from trellis.engine.data.prepare import prepare_train_data
 from trellis.engine.data.prompts import load_prompts
 from trellis.engine.rollout.backends.base import SamplingParams
@@ -231,6 +233,27 @@ def test_a_trainer_rank_killed_mid_run_is_rebuilt_with_its_group_and_the_run_res
     assert len(rows) == 4 * 128 and len({r["rollout_id"] for r in rows}) == len(rows)
     assert sorted(logged_metrics(config)) == [1, 2, 3, 4]
     ledger_check(config)
+
+
+def test_a_start_that_fails_ends_the_trainer_group_it_rebuilt(tiny_model, reverse_data, tmp_path, ray_cluster):
+    """Tried: a run's workers are up (2 trainer ranks); trainer rank 1 and the rollout worker die; the next
+    start's rollout worker is SIGKILLed in its constructor. The start fails naming it, and ends every
+    worker it created: rank 0, which was alive but rebuilt with its group, included. The controller, which
+    it found running, stays."""
+    marker = tmp_path / "fault"
+    config = tiny_config(tiny_model, reverse_data, tmp_path, experiment_name="rebuilt-group", train_resources={"num_workers": 2},
+                         cluster={**ray_cluster["cluster"], "runtime_env": {"env_vars": {FAULT_FILE: str(marker)}}})
+    workers = RunWorkers(config)
+    workers.attach()
+    try:
+        workers._kill([workers.names("trainer")[1], workers.name("rollout")])
+        marker.write_text("rollout.start")
+        with pytest.raises(WorkerError, match="rollout worker 0"):
+            workers.attach()
+        assert (tmp_path / "fault.fired").read_text().startswith("rollout.start")
+        assert workers.lost() == [*workers.names("trainer"), *workers.names("rollout")]
+    finally:
+        workers.release()
 
 
 def test_the_in_process_runner_refuses_several_workers_per_side(tiny_model, reverse_data, tmp_path):

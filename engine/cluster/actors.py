@@ -214,6 +214,7 @@ class RolloutActor(BuiltFrom):
         from transformers import AutoTokenizer
 
         super().__init__(config, fingerprint, credentials, "rollout")
+        fault_point("rollout.start")
         self.backend = build_rollout_backend(config, AutoTokenizer.from_pretrained(tokenizer_path))
         self._config = config
         self._merger: AdapterMerger | None = None

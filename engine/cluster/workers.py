@@ -184,6 +184,8 @@ class RunWorkers:
         """``created`` gets the names of the actors this start creates, before it creates them."""
         check_worker_environment(self.config, self.launch.bundle, ray.get_runtime_context().gcs_address)
         self._retire_stale_workers()
+        if "trainer" in self.roles:
+            self._end_incomplete_trainer_group()
         created += self.lost()  # the workers that do not run now are those this start creates
         # Every role's actors are asked for at once: a new worker's process spends seconds importing
         # torch and transformers before its constructor runs, and those starts overlap.
@@ -191,7 +193,11 @@ class RunWorkers:
         rollouts = []
         if "rollout" in self.roles:
             rollouts = [self._get_or_create("rollout", index, self.config.tokenizer_source) for index in range(self.count("rollout"))]
-        trainers, new_group = self._trainer_ranks(controller) if "trainer" in self.roles else ([], False)
+        trainers = []
+        if "trainer" in self.roles:
+            world = self.count("trainer")
+            trainers = [self._get_or_create("trainer", rank, controller, rank, world) for rank in range(world)]
+        new_group = len(trainers) > 1 and self.name("trainer") in created  # a new group joins before use
         info: ControllerInfo = self.wait(controller.info.remote())  # a controller that cannot start is named first
         if new_group:
             host, port = self.wait(trainers[0].trainer_group_address.remote())
@@ -216,17 +222,13 @@ class RunWorkers:
             train_on_gpu=train_gpu is not None,
         )
 
-    def _trainer_ranks(self, controller: ActorHandle) -> tuple[list[ActorHandle], bool]:
-        """The trainer ranks (each asks ``controller`` what it needs to build), and whether they are a
-        new group of several that must join before use. A group with a rank missing is rebuilt whole:
+    def _end_incomplete_trainer_group(self) -> None:
+        """Kill the trainer ranks left of a group with a rank missing, so that the group is rebuilt whole:
         the ranks left wait in collectives for the lost one, and a torch.distributed group takes no new
         member."""
-        names, world = self.names("trainer"), self.count("trainer")
-        complete = all(self._named_alive(name) for name in names)
-        if not complete:
+        names = self.names("trainer")
+        if not all(self._named_alive(name) for name in names):
             self._kill(names)
-        ranks = [self._get_or_create("trainer", rank, controller, rank, world) for rank in range(world)]
-        return ranks, world > 1 and not complete
 
     def _kill(self, names: list[str]) -> None:
         """Kill the named actors and wait until their names are free for new ones."""
