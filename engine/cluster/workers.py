@@ -223,9 +223,8 @@ class RunWorkers:
         )
 
     def _end_incomplete_trainer_group(self) -> None:
-        """Kill the trainer ranks left of a group with a rank missing, so that the group is rebuilt whole:
-        the ranks left wait in collectives for the lost one, and a torch.distributed group takes no new
-        member."""
+        """Kill what is left of a trainer group with a rank missing, to rebuild it whole: its ranks wait in
+        collectives for the lost one, and a torch.distributed group takes no new member."""
         names = self.names("trainer")
         if not all(self._named_alive(name) for name in names):
             self._kill(names)
