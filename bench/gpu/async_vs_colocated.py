@@ -34,7 +34,9 @@ length, so both train the same lengths.
 Four runs of the long-tail workload take ~20 minutes, more than one 600 s device call: run one mode per
 call (``--mode colocated --rounds 1 --round 1``, then disaggregated round 1, disaggregated round 2,
 colocated round 2, into folders of their own), then ``--combine FOLDER...`` reports over them as if
-they were one alternated call (settings checked equal, ratios paired by round).
+they were one alternated call (settings checked equal, ratios paired by round). The device image lacks
+pebble and duckdb, which trellis imports: carry ``.whl`` (the trl_peer wheels) with ``rayprefect-1`` and
+``pip install --no-index --no-deps .whl/pebble-*.whl .whl/duckdb-*.whl`` first.
 
 Scaling over GPUs: ``--mode colocated --workers 2`` against ``--workers 1`` (``--sigma 0``).
 
