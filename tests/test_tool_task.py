@@ -41,7 +41,13 @@ def test_the_lookup_task_learns_through_the_flow_and_its_sessions_replay(lookup,
     assert 0.15 <= initial <= 0.45, f"the warmed-up model should start near 0.3, got {initial}"
     assert final >= 0.75, f"held-out greedy success {initial:.3f} -> {final:.3f}"
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1
-    assert metrics[1]["agent/tool_calls"] >= 128 and metrics[1]["agent/ended_answer"] >= 120
+    for step in range(1, 31):  # every session ends, for one reason
+        assert sum(v for k, v in metrics[step].items() if k.startswith("agent/ended_")) == 128, step
+    # How many sessions the warmed-up model ends with an answer at step 1 depends on the CPU its warm-up
+    # ran on (at least 120 of 128 on the machines before; 117 on an AMD EPYC, whose other 11 ran past their
+    # token budget on a second tool call); RL brings that to all or nearly all.
+    assert metrics[1]["agent/tool_calls"] >= 128 and metrics[1]["agent/ended_answer"] >= 0.85 * 128
+    assert min(metrics[step].get("agent/ended_answer", 0) for step in range(26, 31)) >= 0.95 * 128
 
     # The query of docs/agents.md: sessions, tool calls and masked tokens per step, straight from Parquet.
     glob = f"{config.run_uri}/trajectories/split=train/*/*.parquet"
