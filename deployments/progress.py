@@ -39,7 +39,25 @@ class RunLogTail:
         return console_lines(fresh)
 
 
+def _whole_json(text: str | None) -> dict | None:
+    """The JSON of a file read while its writer may be half-way through it (a write truncates first): None
+    until it is whole."""
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _whole_records(text: str | None) -> list[dict]:
+    """The records of a JSON-lines file read while a line may be half-written: the lines that end."""
+    lines = (text or "")[: (text or "").rfind("\n") + 1].splitlines()
+    return [record for record in map(_whole_json, lines) if record is not None]
+
+
 def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
+    """Until ``done``: the run log's console lines above the bar, the plan's total and the steps' rewards
+    on it. The files are read as their writers write them (a retried run rewrites its plan), so what is
+    not yet whole is read again at the next tick."""
     from trellis.engine.run.plan import run_plan_uri
 
     logs = f"{config.run_uri}/logs"
@@ -50,12 +68,13 @@ def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s
         for line in tail.new_lines():
             bar.write(line)
         latest = _read(Store(run_plan_uri(config), config.storage_options))
-        if latest is not None and latest != plan_text:  # a resumed run's earlier plan is replaced soon
-            plan_text, plan = latest, json.loads(latest)
+        plan = _whole_json(latest) if latest != plan_text else None  # a resumed run's earlier plan is replaced soon
+        if plan is not None:
+            plan_text = latest
             bar.total = plan["total_steps"]
             bar.n = max(bar.n, plan["start"]["step"])
         text = _read(Store(f"{logs}/metrics.jsonl", config.storage_options))
-        for record in map(json.loads, (text or "").splitlines()):
+        for record in _whole_records(text):
             step = record["step"]
             if step in seen:
                 continue

@@ -118,3 +118,48 @@ def test_a_broken_reward_function_is_refused_before_any_worker_starts(case, tmp_
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     assert not (tmp_path / "home" / "ray-head.json").exists()
+
+
+def test_the_progress_bar_reads_a_plan_and_metrics_being_written_without_dying(tmp_path, tiny_model, reverse_data):
+    """Tried: the run plan read while a retried run rewrites it (empty, then half of it), and metrics.jsonl
+    read with its last line half-written. Before: the progress thread of `trellis train` died on a
+    JSONDecodeError and printed its traceback under the run's own lines (CI at 32b430e, the trainer-killed
+    test with a flow retry). Now the bar shows what is whole and reads the rest at its next tick."""
+    import io
+    import json
+    import threading
+
+    from tqdm import tqdm
+
+    from trellis.deployments.progress import RunLogTail, follow_metrics
+    from trellis.engine.config.loading import load_config
+
+    config = load_config("configs/tiny_reverse.yaml", load_from=str(tiny_model), work_dir=str(tmp_path),
+                         train_dataset={"path": str(reverse_data["train"])}, eval_dataset={"path": str(reverse_data["eval"])})
+    logs = Path(config.run_uri) / "logs"
+    logs.mkdir(parents=True)
+    plan, metrics = logs / "run_plan.json", logs / "metrics.jsonl"
+    plan.write_text("")
+    step_1 = json.dumps({"step": 1, "response/rewards/mean": 0.25})
+    metrics.write_text(step_1 + "\n" + '{"step": 2, "response/rew')
+    bar, done = tqdm(total=None, file=io.StringIO()), threading.Event()
+    follower = threading.Thread(target=follow_metrics, args=(config, bar, done, RunLogTail(config), 0.01), daemon=True)
+    follower.start()
+
+    def shows(total, n) -> bool:
+        for _ in range(300):
+            if (bar.total, bar.n) == (total, n):
+                return True
+            threading.Event().wait(0.01)
+        return False
+
+    assert shows(None, 1) and follower.is_alive()
+    plan.write_text('{"total_steps": 6, "start": {"st')
+    threading.Event().wait(0.1)
+    assert follower.is_alive() and bar.total is None
+    plan.write_text(json.dumps({"total_steps": 6, "start": {"step": 0}}))
+    metrics.write_text(step_1 + "\n" + json.dumps({"step": 2, "response/rewards/mean": 0.5}) + "\n")
+    assert shows(6, 2) and follower.is_alive()
+    done.set()
+    follower.join(timeout=5)
+    assert not follower.is_alive()
