@@ -1,10 +1,18 @@
 """The command line as a new user meets it: clear messages and non-zero exits, no tracebacks."""
 
+import io
+import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
+
+from trellis.deployments.progress import RunLogTail, follow_metrics
+from trellis.engine.config.loading import load_config
 
 
 # A bound for a hung command, not a speed bar: on 2 busy cores `tiny-model` and a 2-step run each took
@@ -125,15 +133,6 @@ def test_the_progress_bar_reads_a_plan_and_metrics_being_written_without_dying(t
     read with its last line half-written. Before: the progress thread of `trellis train` died on a
     JSONDecodeError and printed its traceback under the run's own lines (CI at 32b430e, the trainer-killed
     test with a flow retry). Now the bar shows what is whole and reads the rest at its next tick."""
-    import io
-    import json
-    import threading
-
-    from tqdm import tqdm
-
-    from trellis.deployments.progress import RunLogTail, follow_metrics
-    from trellis.engine.config.loading import load_config
-
     config = load_config("configs/tiny_reverse.yaml", load_from=str(tiny_model), work_dir=str(tmp_path),
                          train_dataset={"path": str(reverse_data["train"])}, eval_dataset={"path": str(reverse_data["eval"])})
     logs = Path(config.run_uri) / "logs"
@@ -150,12 +149,12 @@ def test_the_progress_bar_reads_a_plan_and_metrics_being_written_without_dying(t
         for _ in range(300):
             if (bar.total, bar.n) == (total, n):
                 return True
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         return False
 
     assert shows(None, 1) and follower.is_alive()
     plan.write_text('{"total_steps": 6, "start": {"st')
-    threading.Event().wait(0.1)
+    time.sleep(0.1)
     assert follower.is_alive() and bar.total is None
     plan.write_text(json.dumps({"total_steps": 6, "start": {"step": 0}}))
     metrics.write_text(step_1 + "\n" + json.dumps({"step": 2, "response/rewards/mean": 0.5}) + "\n")
