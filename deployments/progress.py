@@ -50,8 +50,8 @@ def _whole_json(text: str | None) -> dict | None:
 
 def _whole_records(text: str | None) -> list[dict]:
     """The records of a JSON-lines file read while a line may be half-written: the lines that end."""
-    lines = (text or "")[: (text or "").rfind("\n") + 1].splitlines()
-    return [record for record in map(_whole_json, lines) if record is not None]
+    text = text or ""
+    return [record for record in map(_whole_json, text[: text.rfind("\n") + 1].splitlines()) if record is not None]
 
 
 def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
