@@ -165,3 +165,22 @@ def test_loading_weights_changes_the_policy_and_its_version(backend_name, tiny_m
         assert [name for name in saved if not torch.equal(served[name], saved[name])] == []
     assert_logprobs_of(model, backend_name, prompts, after, 0.7)
     assert teacher_forced_gaps(AutoModelForCausalLM.from_pretrained(tiny_model), prompts, after, 0.7).mean() > 0.5
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_an_awake_engine_continues_a_response_with_the_weights_just_loaded(backend_name, tiny_model, tokenizer, prompts):
+    """A partial response continued after a weight sync with no offload between (vLLM stays awake through
+    the fit, or runs beside the trainer): the continuation's logprobs are the loaded weights', although the
+    engine computed the prompt and the response so far with the old ones. Tried: vLLM 0.26 with its prefix
+    cache kept across the load (the KV blocks of the old weights served again) fails it."""
+    backend = make_backend(backend_name, tiny_model, tokenizer)
+    first = backend.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0, seed=5))
+    continued = [list(prompt) + generation.response_ids for prompt, generation in zip(prompts, first)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    backend.load_weights(model.state_dict(), policy_version=3)
+    after = backend.generate(continued, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3))
+    assert_logprobs_of(model, backend_name, continued, after, 0.7)

@@ -217,7 +217,13 @@ class VllmRollout(StreamingBackend):
         )
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
-        """Copy the trainer's tensors into vLLM's model, bucket by bucket (no disk, no serialization)."""
+        """Copy the trainer's tensors into vLLM's model, bucket by bucket (no disk, no serialization), then
+        forget what the old weights computed (``_forget_old_activations``). Only between generations: a
+        request running now would go on with the old weights' KV cache."""
+        engine = self._llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("load_weights was called while the engine still generates; pause or abort the rollout "
+                               "first (the weight sync does), so that no request mixes the old and new weights.")
         if self._asleep and not self._weights_awake:
             self._llm.wake_up(tags=["weights"])  # the KV cache stays asleep until onload
             self._weights_awake = True
@@ -227,7 +233,23 @@ class VllmRollout(StreamingBackend):
         else:
             for bucket in _buckets(state_dict, _BUCKET_BYTES):
                 model.load_weights(bucket)
+        if not self._asleep:  # asleep, it dropped them when it went to sleep (offload)
+            self._forget_old_activations()
         self._policy_version = policy_version
+
+    def _forget_old_activations(self) -> None:
+        """vLLM keeps the KV blocks of earlier prompts and responses (prefix caching) and, for images, the
+        vision encoder's outputs, and hands them to any later request that shares the prefix or the image:
+        after new weights they would be the old policy's activations inside a new-policy sample (a shared
+        chat template, a prompt drawn again, a partial response continued after a sync). An engine that sleeps
+        drops them with its KV cache; one that stays awake through the fit or runs beside the trainer
+        (``sleep_level`` auto or 0, disaggregated) must drop them here, as TRL and verl do after their syncs."""
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept KV blocks in use after the rollout ended, so its prefix cache (the old "
+                               "weights' activations) could not be dropped; no generation may run across a weight sync.")
+        reset_encoder_cache = getattr(self._llm.llm_engine, "reset_encoder_cache", None)  # vLLM 0.26+
+        if self._vision is not None and reset_encoder_cache is not None:
+            reset_encoder_cache()
 
     def _reload_quantized(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
         """FP8 weights are vLLM's own layout (transposed, with scales): its layerwise reload puts each layer's
@@ -247,7 +269,7 @@ class VllmRollout(StreamingBackend):
 
     def offload(self) -> None:
         if not self._asleep and self._sleep_level > 0:
-            self._llm.reset_prefix_cache()
+            self._forget_old_activations()
             self._llm.sleep(level=self._sleep_level)
             self._asleep, self._weights_awake = True, False
 
