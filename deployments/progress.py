@@ -5,9 +5,9 @@ rewards from ``logs/metrics.jsonl``, and above the bar what the run log says a u
 
 from __future__ import annotations
 
-import json
 import threading
 
+from trellis.engine.storage.json_lines import whole_json, whole_lines
 from trellis.engine.storage.store import Store
 
 
@@ -39,21 +39,6 @@ class RunLogTail:
         return console_lines(fresh)
 
 
-def _whole_json(text: str | None) -> dict | None:
-    """The JSON of a file read while its writer may be half-way through it (a write truncates first): None
-    until it is whole."""
-    try:
-        return json.loads(text) if text else None
-    except json.JSONDecodeError:
-        return None
-
-
-def _whole_records(text: str | None) -> list[dict]:
-    """The records of a JSON-lines file read while a line may be half-written: the lines that end."""
-    text = text or ""
-    return [record for record in map(_whole_json, text[: text.rfind("\n") + 1].splitlines()) if record is not None]
-
-
 def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s: float = 0.5) -> None:
     """Until ``done``: the run log's console lines above the bar, the plan's total and the steps' rewards
     on it. The files are read as their writers write them (a retried run rewrites its plan), so what is
@@ -68,13 +53,16 @@ def follow_metrics(config, bar, done: threading.Event, tail: RunLogTail, every_s
         for line in tail.new_lines():
             bar.write(line)
         latest = _read(Store(run_plan_uri(config), config.storage_options))
-        plan = _whole_json(latest) if latest != plan_text else None  # a resumed run's earlier plan is replaced soon
+        plan = whole_json(latest) if latest != plan_text else None  # a resumed run's earlier plan is replaced soon
         if plan is not None:
             plan_text = latest
             bar.total = plan["total_steps"]
             bar.n = max(bar.n, plan["start"]["step"])
-        text = _read(Store(f"{logs}/metrics.jsonl", config.storage_options))
-        for record in _whole_records(text):
+        try:
+            records = whole_lines(_read(Store(f"{logs}/metrics.jsonl", config.storage_options)), source="metrics.jsonl")
+        except ValueError:  # a damaged line: the bar goes on with what it showed; `trellis report` says where
+            records = []
+        for record in records:
             step = record["step"]
             if step in seen:
                 continue

@@ -207,6 +207,22 @@ def test_a_run_without_metrics_is_a_clear_error(tmp_path):
     assert result.exit_code == 2 and "has no metrics yet" in result.stderr
 
 
+def test_a_live_run_s_half_written_line_waits_and_a_damaged_line_is_named(run_folder, tmp_path):
+    """A report of a run that is writing its metrics: its last line cut short (the writer rewrites the file
+    whole each step) is left out, the steps before it reported; a whole line that is not JSON is an error that
+    names the line. Tried: the same file read with json.loads per line raised JSONDecodeError."""
+    lines = (run_folder / "logs" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "logs").mkdir()
+    live = tmp_path / "logs" / "metrics.jsonl"
+    live.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    written = write_report(Store(str(tmp_path)))
+    assert written.headline["steps"] == json.loads(lines[-2])["step"]
+
+    live.write_text(lines[0] + "\n" + lines[1][:-3] + "\n" + lines[2] + "\n")
+    with pytest.raises(ReportError, match=r"damaged metrics: .*metrics.jsonl line 2 is not JSON"):
+        write_report(Store(str(tmp_path)))
+
+
 def test_the_cli_prints_where_it_wrote_and_refuses_an_unknown_run(run_folder, tmp_path):
     runner = CliRunner()
     work_dir = str(run_folder.parent)

@@ -11,7 +11,6 @@ import base64
 import fnmatch
 import html
 import io
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trellis.engine.storage.json_lines import whole_lines
 from trellis.engine.storage.lake_query import GOODPUT_PREFIX, run_goodput
 from trellis.engine.storage.report_samples import pictures_html, sample_pictures
 from trellis.engine.storage.store import Store
@@ -110,7 +110,10 @@ def read_metrics(run: Store) -> Records:
     if not fs.exists(path):
         raise ReportError(f"The run at {run_uri} has no metrics yet: {uri} does not exist.")
     with fs.open(path, "r") as handle:
-        records = [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+        try:  # a live run may be writing its last line: the report covers the steps logged whole
+            records = whole_lines(handle.read(), source=uri)
+        except ValueError as error:
+            raise ReportError(f"The run at {run_uri} has damaged metrics: {error}") from None
     by_step = {record["step"]: record for record in records}
     if not by_step:
         raise ReportError(f"The run at {run_uri} has no metrics yet: {uri} holds no step.")

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from trellis.engine.parquet_reads import read_parquet
+from trellis.engine.storage.json_lines import whole_lines
 from trellis.engine.storage.lake import write_part
 from trellis.engine.storage.lake_query import GOODPUT_PREFIX
 from trellis.engine.storage.ledger import GROUPS
@@ -46,7 +47,7 @@ def _json_lines(target: Store) -> list[dict[str, Any]]:
     if not target.exists():
         return []
     with target.open("r") as handle:
-        return [json.loads(line) for line in handle.read().splitlines() if line.strip()]
+        return whole_lines(handle.read(), source=target.uri)
 
 
 def record_trip(run: Store, trip: dict[str, Any]) -> None:
