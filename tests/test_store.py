@@ -4,6 +4,11 @@ replaces, travels to workers whole (pickled), and never prints its credentials."
 from __future__ import annotations
 
 import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
 
 from trellis.engine.secrets import REDACTED
 from trellis.engine.storage.checkpoints import SaveStore, read_json, require_complete, write_json
@@ -42,3 +47,34 @@ def test_files_through_a_store_and_a_checkpoint_folder(tmp_path):
     checkpoints.seal(2)
     assert checkpoints.latest() == (2, f"{tmp_path}/run/checkpoints/step-000002")
     assert require_complete(checkpoints.store(2)) == {"step": 2}
+
+
+WRITER = """
+import sys
+from trellis.engine.storage.checkpoints import write_json
+from trellis.engine.storage.store import Store
+target, i = Store(sys.argv[1]), 0
+while True:
+    write_json({"i": i, "pad": ["x" * 64] * 20000}, target)
+    i += 1
+"""
+
+
+def test_a_json_record_killed_half_way_through_its_rewrite_is_the_old_one_whole(tmp_path):
+    """A run plan or a record is rewritten whole again and again by a process killed (SIGKILL) at a random
+    moment, five times: what is left always parses and is one of the versions written. Tried: writing into
+    the file itself (truncated first) left it cut short at every kill."""
+    target = tmp_path / "logs" / "run_plan.json"
+    rng = random.Random(0)
+    for _ in range(5):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(target)])
+        try:
+            deadline = time.monotonic() + 60
+            while not target.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3 + rng.random() * 0.5)
+        finally:
+            writer.send_signal(signal.SIGKILL)
+            writer.wait()
+        record = read_json(Store(str(target)))
+        assert record["i"] >= 0 and len(record["pad"]) == 20000

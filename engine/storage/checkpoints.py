@@ -195,10 +195,8 @@ def load_object(source: Store) -> Any:
 
 
 def write_json(data: Mapping[str, Any], target: Store) -> None:
-    fs, path = target.fs()
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
+    """Replaced whole: a run plan or a record read while it is written is the old one or the new one."""
+    target.replace_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 def read_json(source: Store) -> dict[str, Any]:

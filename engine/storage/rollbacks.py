@@ -53,11 +53,7 @@ def _json_lines(target: Store) -> list[dict[str, Any]]:
 def record_trip(run: Store, trip: dict[str, Any]) -> None:
     """Add ``trip`` to ``trips.jsonl`` (rewritten whole: object stores have no append)."""
     lines = [json.dumps(entry, sort_keys=True) for entry in [*read_trips(run), trip]]
-    target = rollbacks_root(run).join("trips.jsonl")
-    fs, path = target.fs()
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    with target.open("w") as handle:
-        handle.write("\n".join(lines) + "\n")
+    rollbacks_root(run).join("trips.jsonl").replace_text("\n".join(lines) + "\n")
     if trip.get("rollback"):
         with rollbacks_root(run).join(f"rollback={trip['rollback']:02d}", "trip.json").open("w") as handle:
             json.dump(trip, handle, indent=1, sort_keys=True)

@@ -4,10 +4,13 @@ printed, logged or shown in a traceback without its credentials (``engine.secret
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any, Mapping
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from trellis.engine.secrets import redact_mapping
 
@@ -41,3 +44,21 @@ class Store:
     def exists(self) -> bool:
         fs, path = self.fs()
         return fs.exists(path)
+
+    def replace_text(self, text: str) -> None:
+        """Write ``text`` as the whole file, which a reader (or a crash half-way) sees as before or after, never
+        in part: on a local disk through a file beside it renamed over it (a writer killed half-way leaves that
+        ``*.partial`` file behind), on an object store in one PUT."""
+        fs, path = self.fs()
+        fs.makedirs(fs._parent(path), exist_ok=True)
+        if not isinstance(fs, LocalFileSystem):
+            fs.pipe_file(path, text.encode())
+            return
+        temporary = f"{path}.{uuid.uuid4().hex}.partial"
+        try:
+            with open(temporary, "w") as handle:
+                handle.write(text)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)

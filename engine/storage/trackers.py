@@ -13,6 +13,7 @@ from typing import Protocol
 from fsspec.implementations.local import LocalFileSystem
 
 from trellis.engine.config import TrellisConfig
+from trellis.engine.storage.json_lines import whole_lines
 from trellis.engine.storage.store import Store
 
 
@@ -26,20 +27,17 @@ class JsonlTracker:
     """One JSON object per step in ``metrics.jsonl`` (any fsspec URI); flushed every step."""
 
     def __init__(self, target: Store) -> None:
-        self._uri = target.uri
-        self._fs, self._path = target.fs()
-        self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
+        self._target = target
         self._lines: list[str] = []
-        if self._fs.exists(self._path):
-            with self._fs.open(self._path, "r") as handle:
-                self._lines = handle.read().splitlines()
+        if target.exists():
+            with target.open("r") as handle:
+                self._lines = [json.dumps(record, sort_keys=True) for record in whole_lines(handle.read(), source=target.uri)]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # Rewritten whole: object stores have no append, and a resumed run drops lines past its step.
         self._lines = [line for line in self._lines if json.loads(line)["step"] < step]
         self._lines.append(json.dumps({"step": step, **metrics}, sort_keys=True))
-        with self._fs.open(self._path, "w") as handle:
-            handle.write("\n".join(self._lines) + "\n")
+        self._target.replace_text("\n".join(self._lines) + "\n")  # a crash half-way keeps the previous steps' lines
 
     def close(self) -> None:
         """Every line is already written."""
