@@ -1,5 +1,6 @@
-"""JSON files that a live run may be writing while they are read (``metrics.jsonl``, the run plan): a write
-truncates first and appends a line at a time, so a reader may find a file empty or its last line cut short.
+"""Reading JSON files a live run rewrites (``metrics.jsonl``, the run plan) while it rewrites them: trellis
+replaces them whole (``Store.replace_text``), but a file written in place (by an earlier trellis, or a copy under
+way) may be read empty or with its last line cut short.
 
 What is not whole yet is left for the next read; a whole line that is not JSON is a damaged file and says where.
 """

@@ -28,6 +28,8 @@ class JsonlTracker:
 
     def __init__(self, target: Store) -> None:
         self._target = target
+        fs, path = target.fs()
+        fs.makedirs(fs._parent(path), exist_ok=True)
         self._lines: list[str] = []
         if target.exists():
             with target.open("r") as handle:
