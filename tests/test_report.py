@@ -208,8 +208,8 @@ def test_a_run_without_metrics_is_a_clear_error(tmp_path):
 
 
 def test_a_live_run_s_half_written_line_waits_and_a_damaged_line_is_named(run_folder, tmp_path):
-    """A report of a run that is writing its metrics: its last line cut short (the writer rewrites the file
-    whole each step) is left out, the steps before it reported; a whole line that is not JSON is an error that
+    """A report of a run that is writing its metrics: its last line cut short (as a writer that writes in
+    place leaves it) is left out, the steps before it reported; a whole line that is not JSON is an error that
     names the line. Tried: the same file read with json.loads per line raised JSONDecodeError."""
     lines = (run_folder / "logs" / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "logs").mkdir()

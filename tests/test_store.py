@@ -62,8 +62,8 @@ while True:
 
 def test_a_json_record_killed_half_way_through_its_rewrite_is_the_old_one_whole(tmp_path):
     """A run plan or a record is rewritten whole again and again by a process killed (SIGKILL) at a random
-    moment, five times: what is left always parses and is one of the versions written. Tried: writing into
-    the file itself (truncated first) left it cut short at every kill."""
+    moment, five times: what is left always parses and is one whole version. Tried: writing into the file
+    itself (truncated first) left it cut short (JSONDecodeError at the first kill)."""
     target = tmp_path / "logs" / "run_plan.json"
     rng = random.Random(0)
     for _ in range(5):
