@@ -47,14 +47,15 @@ class Store:
 
     def replace_text(self, text: str) -> None:
         """Write ``text`` as the whole file, which a reader (or a crash half-way) sees as before or after, never
-        in part: on a local disk through a file beside it renamed over it (a writer killed half-way leaves that
-        ``*.partial`` file behind), on an object store in one PUT."""
+        in part: on a local disk through a hidden file beside it renamed over it, as the lake writes its parts (a
+        writer killed half-way leaves that ``.NAME.*.tmp`` file behind), on an object store in one PUT."""
         fs, path = self.fs()
-        fs.makedirs(fs._parent(path), exist_ok=True)
+        folder, name = path.rsplit("/", 1)
+        fs.makedirs(folder, exist_ok=True)
         if not isinstance(fs, LocalFileSystem):
             fs.pipe_file(path, text.encode())
             return
-        temporary = f"{path}.{uuid.uuid4().hex}.partial"
+        temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
             with open(temporary, "w") as handle:
                 handle.write(text)
