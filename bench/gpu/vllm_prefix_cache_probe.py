@@ -1,9 +1,9 @@
 """Does vLLM serve the old weights' KV blocks after a weight load? The rollout contract test's tiny model and
-prompts on one engine: generate, load perturbed weights with and without dropping the prefix cache, continue
-each response, and compare the continuation's logprobs with a teacher-forced recompute under the new weights.
-Prints the cached blocks after the first generation, the prefix-cache hits of each continuation and both gaps.
+prompts on one engine (awake, ``sleep_level`` 0): generate, load perturbed weights, continue each response greedily
+with vLLM's prefix cache as the load left it, drop the cache, continue again. Reports the blocks cached before the
+load, the tokens served from cache to each continuation both times, and the largest logprob change between them.
 
-    PYTHONPATH=.:tests python bench/gpu/vllm_prefix_cache_probe.py OUT_DIR      (writes OUT_DIR/prefix_cache_probe.json)
+    PYTHONPATH=. python bench/gpu/vllm_prefix_cache_probe.py OUT_DIR      (writes OUT_DIR/prefix_cache_probe.json)
 """
 
 from __future__ import annotations
