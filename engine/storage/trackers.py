@@ -30,16 +30,17 @@ class JsonlTracker:
         self._target = target
         fs, path = target.fs()
         fs.makedirs(fs._parent(path), exist_ok=True)
-        self._lines: list[str] = []
+        self._lines: list[tuple[int, str]] = []  # (step, its line): each line is parsed once, at start
         if target.exists():
             with target.open("r") as handle:
-                self._lines = [json.dumps(record, sort_keys=True) for record in whole_lines(handle.read(), source=target.uri)]
+                records = whole_lines(handle.read(), source=target.uri)
+            self._lines = [(record["step"], json.dumps(record, sort_keys=True)) for record in records]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # Rewritten whole: object stores have no append, and a resumed run drops lines past its step.
-        self._lines = [line for line in self._lines if json.loads(line)["step"] < step]
-        self._lines.append(json.dumps({"step": step, **metrics}, sort_keys=True))
-        self._target.replace_text("\n".join(self._lines) + "\n")  # a crash half-way keeps the previous steps' lines
+        self._lines = [(logged, line) for logged, line in self._lines if logged < step]
+        self._lines.append((step, json.dumps({"step": step, **metrics}, sort_keys=True)))
+        self._target.replace_text("".join(line + "\n" for _, line in self._lines))  # a crash half-way keeps the previous steps' lines
 
     def close(self) -> None:
         """Every line is already written."""
