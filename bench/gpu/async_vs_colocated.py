@@ -331,6 +331,7 @@ def compare(args: argparse.Namespace) -> dict:
         with clean_host(f"round {round_} {mode}", end_leftovers_first=args.end_leftovers) as witness, open(args.out / f"run_{mode}_{round_}.log", "w") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
         runs[mode].append(json.loads(result.read_text()) | witness)
+        result.write_text(json.dumps(runs[mode][-1], indent=1))  # --combine reads the run files: the host's speed goes with them
         r = runs[mode][-1]
         print(f"round {round_} {mode:13s} trained tokens/s {r['trained_tokens_per_s']:,.0f}  step median {r['step_s_median']:.2f} s  "
               f"trained response len {r['response_len_mean']:.1f}  trained tokens {r['trained_tokens']:,.0f}", flush=True)
