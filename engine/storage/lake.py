@@ -9,7 +9,6 @@ temporary name and renamed into place, so a reader never sees half a file, and r
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -147,14 +146,10 @@ def write_part(table: pa.Table, folder: Store, *, part: int = 0) -> str:
 
 
 def write_table(table: pa.Table, target: Store) -> str:
-    """``table`` as the Parquet file ``target``, written under a temporary name beside it and renamed."""
-    fs, path = target.fs()
-    folder, name = path.rsplit("/", 1)
-    fs.makedirs(folder, exist_ok=True)
-    temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
-    with fs.open(temporary, "wb") as handle:
-        pq.write_table(table, handle)
-    fs.mv(temporary, path)
+    """``table`` as the Parquet file ``target``, whole or not at all (``Store.replace_bytes``)."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    target.replace_bytes(buffer.getvalue().to_pybytes())
     return target.uri
 
 

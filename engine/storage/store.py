@@ -46,19 +46,23 @@ class Store:
         return fs.exists(path)
 
     def replace_text(self, text: str) -> None:
-        """Write ``text`` as the whole file, which a reader (or a crash half-way) sees as before or after, never
-        in part: on a local disk through a hidden file beside it renamed over it, as the lake writes its parts (a
-        writer killed half-way leaves that ``.NAME.*.tmp`` file behind), on an object store in one PUT."""
+        self.replace_bytes(text.encode())
+
+    def replace_bytes(self, data: bytes) -> None:
+        """Write ``data`` as the whole file, which a reader (or a crash half-way) sees as before or after, never
+        in part: on a local disk through a hidden file beside it renamed over it (a writer killed half-way
+        leaves that ``.NAME.*.tmp`` file behind, which listings and globs skip), on an object store in one PUT
+        (a multipart upload for a large file, completed or not at all)."""
         fs, path = self.fs()
         folder, name = path.rsplit("/", 1)
         fs.makedirs(folder, exist_ok=True)
         if not isinstance(fs, LocalFileSystem):
-            fs.pipe_file(path, text.encode())
+            fs.pipe_file(path, data)
             return
         temporary = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"
         try:
-            with open(temporary, "w") as handle:
-                handle.write(text)
+            with open(temporary, "wb") as handle:
+                handle.write(data)
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
