@@ -55,8 +55,7 @@ def record_trip(run: Store, trip: dict[str, Any]) -> None:
     lines = [json.dumps(entry, sort_keys=True) for entry in [*read_trips(run), trip]]
     rollbacks_root(run).join("trips.jsonl").replace_text("\n".join(lines) + "\n")
     if trip.get("rollback"):
-        with rollbacks_root(run).join(f"rollback={trip['rollback']:02d}", "trip.json").open("w") as handle:
-            json.dump(trip, handle, indent=1, sort_keys=True)
+        rollbacks_root(run).join(f"rollback={trip['rollback']:02d}", "trip.json").replace_text(json.dumps(trip, indent=1, sort_keys=True))
 
 
 def set_aside(run: Store, rollback: int, steps: list[int], *, skip_batches: bool) -> str:
@@ -102,8 +101,7 @@ def _set_aside_metrics(run: Store, archive: Store, first: int) -> None:
     them from ``metrics.jsonl`` when it writes those steps again."""
     lines = [json.dumps(line, sort_keys=True) for line in _json_lines(run.join("logs", "metrics.jsonl")) if line["step"] >= first]
     if lines:
-        with archive.join("metrics.jsonl").open("w") as handle:
-            handle.write("\n".join(lines) + "\n")
+        archive.join("metrics.jsonl").replace_text("\n".join(lines) + "\n")
 
 
 def set_aside_device_s(archive: Store) -> float:
