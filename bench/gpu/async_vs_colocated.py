@@ -270,6 +270,9 @@ def summarize(config, records: dict[int, dict], gpus: Sampler, started: float, a
         "started_at": started,
         "run_wall_s": time.time() - started,
         "timings_median_s": timings,
+        # step by step: a median hides whether one slow stretch or every step moved (a lease's slow cores)
+        "timings_by_step_s": {k: [round(r.get(k, 0.0), 4) for r in steady] for k in ("time/step", "time/rollout", "time/fit", "time/get_batch")
+                              if any(k in r for r in steady)},
         "weight_sync_s_median": timings.get("time/sync_weights", 0.0),
         "weight_sync_bytes_per_s": weight_bytes(config) / max(timings.get("time/sync_weights", 0.0), 1e-9),
         # the producer stands still from the start of its pause to its continue (no save or eval here)
