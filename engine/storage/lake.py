@@ -1,9 +1,9 @@
 """The trajectory lake: every sample of every step as a Parquet row, through fsspec.
 
 Layout: ``{run}/trajectories/split={train|eval}/step=000012/part-0.parquet`` (Hive partitions, so
-``pyarrow.dataset`` and DuckDB read ``split`` and ``step`` as columns). A part is written to a
-temporary name and renamed into place, so a reader never sees half a file, and rewriting a step
-(a retried task) replaces its part instead of adding rows.
+``pyarrow.dataset`` and DuckDB read ``split`` and ``step`` as columns). A part is written whole or not
+at all (``Store.replace_bytes``: renamed into place on a disk, one PUT on an object store), so a reader
+never sees half a file, and rewriting a step (a retried task) replaces its part instead of adding rows.
 """
 
 from __future__ import annotations

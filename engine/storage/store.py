@@ -51,8 +51,8 @@ class Store:
     def replace_bytes(self, data: bytes) -> None:
         """Write ``data`` as the whole file, which a reader (or a crash half-way) sees as before or after, never
         in part: on a local disk through a hidden file beside it renamed over it (a writer killed half-way
-        leaves that ``.NAME.*.tmp`` file behind, which listings and globs skip), on an object store in one PUT
-        (a multipart upload for a large file, completed or not at all)."""
+        leaves that ``.NAME.*.tmp`` file behind, never the target cut short), on an object store in one PUT
+        (a multipart upload for a large file, which becomes visible only once complete)."""
         fs, path = self.fs()
         folder, name = path.rsplit("/", 1)
         fs.makedirs(folder, exist_ok=True)
