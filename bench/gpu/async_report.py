@@ -16,6 +16,9 @@ DIFFER_BY_DESIGN = {
     "max_staleness, tail lane trigger": "the asynchronous trainer's own settings",
     "GPUs held": "each mode holds what it needs",
     "vLLM gpu_memory_utilization": "a colocated engine shares its GPU with the trainer",
+    # a colocated run puts one engine beside each trainer rank; a disaggregated run may split its rollout share
+    # over several engines (--rollout-workers), each a host process of its own: a setting the colocated mode lacks
+    "rollout engines": "colocated: one beside each trainer rank; disaggregated: --rollout-workers",
 }
 
 

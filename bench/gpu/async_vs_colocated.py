@@ -230,6 +230,7 @@ def run_settings(config, records: dict[int, dict], args: argparse.Namespace, hel
         if config.trainer == "disaggregated" else "(colocated: none)",
         "GPUs held": held_gpus or "none (CPU)",
         "vLLM gpu_memory_utilization": rollout.gpu_memory_utilization if rollout.backend == "vllm" else "no vLLM",
+        "rollout engines": config.rollout_resources.num_workers,
     }
 
 
