@@ -7,7 +7,8 @@ starts (everything the user waits for), CPU seconds of the whole process tree (P
 Ray's processes included), and the orchestration overhead: the part of each step interval in which
 no worker ran a method (Ray's timeline), i.e. the workers waited on Prefect and the driver.
 Weight-sync attestation follows the config's default (off where the rollout runs on CPU) unless the
-fifth argument says ``attest`` or ``no-attest`` (bench/attest_cost.py).
+fifth argument says ``attest`` or ``no-attest`` (bench/attest_cost.py); the next step's rollout is launched
+early where the config's default says, unless ``TRELLIS_BENCH_OVERLAP`` is 1 or 0.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def start_head(*extra_args: str) -> tuple[subprocess.Popen, str]:
     return head, address
 
 
+def overlap_next_rollout() -> bool | None:
+    """TRELLIS_BENCH_OVERLAP=1 or 0 forces ``cluster.overlap_next_rollout`` (unset: the config's default)."""
+    choice = os.environ.get("TRELLIS_BENCH_OVERLAP")
+    return None if choice is None else choice == "1"
+
+
 async def step_starts(since_s: float) -> dict[int, float]:
     """Start times of this bench's rl_step flow runs (the local Prefect database keeps older ones)."""
     async with get_client() as client:
@@ -93,7 +100,8 @@ def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool | N
                 reward={"function": "trellis.engine.tiny.reverse_task:score"},
                 train_batch_size=16, prompt_repeat_k=8,
                 optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
-                cluster={"address": address, "release_workers_at_end": False}, attest={"enabled": attest},
+                cluster={"address": address, "release_workers_at_end": False, "overlap_next_rollout": overlap_next_rollout()},
+                attest={"enabled": attest},
                 # TRELLIS_BENCH_HEALTH_CHECK=1: the rollout health check's task every step (off on CPU by
                 # default), for what it costs the step (cpu_step.py).
                 rollout={"temperature": 1.0, "max_new_tokens": 8,
