@@ -1,0 +1,10 @@
+#!/bin/bash
+for r in 1 2 3 4; do
+  if [ $((r % 2)) = 1 ]; then order="A B"; else order="B A"; fi
+  for v in $order; do
+    if [ $v = A ]; then root=/tmp/wtA; else root=/work/main; fi
+    cd $root/bench
+    PYTHONPATH=$root timeout 900 /work/main/.venv/bin/python trellis_flow_step.py /tmp/prof/tiny /tmp/prof/train.parquet 30 /tmp/prof/srv_${v}_${r}.json > /tmp/prof/srv_${v}_${r}.log 2>&1
+    echo "$r $v rc=$? $(date +%T)"
+  done
+done
