@@ -27,7 +27,7 @@ TEMPORARY_SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
-    # Prefect writes each task-run event in a transaction of its own (batch size 1); a step's ~20 events
+    # Prefect's recorder writes each task-run event on its own (batch size 1); a step's ~20 events
     # then cost the server more CPU than anything else it does. Its flush interval is read as whole seconds.
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
