@@ -4,10 +4,9 @@ Every step is a flow run with a task run per phase, so the API server works on e
 machine it competes with the workers for the same cores (``bench/cpu_step.py``). The temporary server
 keeps what a run's records need (flow runs, task runs, states, logs, artifacts) and drops what no one
 watches on it: automations' triggers, the event stream out, and the stored event feed (task runs are
-recorded from the events all the same). Its task-run recorder writes the events it received each second
-in one batch instead of one write each (task runs show in the UI up to a second later); the server's
-transactions take SQLite's write lock first (``flows.temporary_server``), so that the batched writes do
-not make the run's own requests fail and wait. The client skips the CSRF token fetch that each new client
+recorded from the events all the same). The server's transactions take SQLite's write lock first
+(``flows.temporary_server``), so that a write beside them does not make the run's own requests fail and
+wait 2 s. The client skips the CSRF token fetch that each new client
 otherwise makes (once per step flow run); a server's CSRF protection is off by default.
 
 A server of your own (``trellis server up``, or any ``PREFECT_API_URL``) keeps its settings, and any
@@ -27,10 +26,9 @@ TEMPORARY_SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
     "PREFECT_SERVER_EVENTS_STREAM_OUT_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
-    # Prefect's recorder writes each task-run event on its own (batch size 1); a step's ~20 events
-    # then cost the server more CPU than anything else it does. Its flush interval is read as whole seconds.
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    # Its task-run recorder is left writing each event on its own (batch size 1). Batched (200 events or 1 s) it
+    # cut a CPU step's CPU by a fifth, but a server stopped at the run's end cancelled its last flush and
+    # printed the error to the run's output (bench/RESULTS.md, 2026-12-07 night).
 }
 
 

@@ -11,8 +11,6 @@ Here every transaction that Prefect opens begins ``IMMEDIATE``: it takes the wri
 for it (up to the busy timeout) instead of failing after its read, as Prefect's own comment on its
 SQLite set-up recommends. Writes to one SQLite file are one at a time either way.
 
-With that, the task-run recorder can batch its writes (``prefect_settings``): a step's task-run events
-are written in a few transactions instead of one each, which on 2 cores was most of the server's work.
 A Postgres database, or a server of your own, is left as it is.
 """
 
