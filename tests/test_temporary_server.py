@@ -72,7 +72,8 @@ RUN = textwrap.dedent("""
             step_flow(step)
 
     run()
-    print("factory:", SubprocessASGIServer._instances[None].server_process.args[6])
+    args = SubprocessASGIServer._instances[None].server_process.args
+    print("factory:", args[args.index("--factory") + 1])
 """)
 
 
