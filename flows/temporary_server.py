@@ -11,11 +11,18 @@ Here every transaction that Prefect opens begins ``IMMEDIATE``: it takes the wri
 for it (up to the busy timeout) instead of failing after its read, as Prefect's own comment on its
 SQLite set-up recommends. Writes to one SQLite file are one at a time either way.
 
+When the server stops, Prefect's task-run recorder cancels a write that is under way, puts its events back
+in its queue and writes them in its last flush; it logs the cancelled write as an error with a traceback
+all the same, which would land in the run's output at its end. ``QuietStoppedFlush`` drops that one record
+(a cancelled write that lost no event); any other error of the recorder is logged.
+
 A Postgres database, or a server of your own, is left as it is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -29,6 +36,7 @@ from prefect.server.database.configurations import SQLITE_BEGIN_MODE, AioSqliteC
 from prefect.settings import get_current_settings
 
 APP_FACTORY = "trellis.flows.temporary_server:create_app"
+RECORDER_LOGGER = "prefect.server.services.task_run_recorder"
 
 
 class WriteFirstSqliteConfiguration(AioSqliteConfiguration):
@@ -44,6 +52,16 @@ class WriteFirstSqliteConfiguration(AioSqliteConfiguration):
             SQLITE_BEGIN_MODE.reset(token)
 
 
+class QuietStoppedFlush(logging.Filter):
+    """Drops the recorder's error record for a write cancelled by its own stop, whose events it requeued
+    ("Error flushing N events (N to retry, 0 dropped)" with a ``CancelledError``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cancelled = record.exc_info is not None and record.exc_info[0] is asyncio.CancelledError
+        requeued = str(record.msg).startswith("Error flushing") and str(record.msg).endswith(" 0 dropped)")
+        return not (cancelled and requeued)
+
+
 def create_app() -> Any:
     """uvicorn's app factory for the temporary server: Prefect's app over the configuration above."""
     from prefect.server.api.server import create_app as prefect_app
@@ -54,6 +72,7 @@ def create_app() -> Any:
     url = PREFECT_API_DATABASE_CONNECTION_URL.value()
     if get_dialect(url).name == "sqlite":
         set_database_config(WriteFirstSqliteConfiguration(connection_url=url))
+    logging.getLogger(RECORDER_LOGGER).addFilter(QuietStoppedFlush())
     return prefect_app()
 
 

@@ -51,10 +51,17 @@ def test_a_transaction_holds_the_write_lock_before_it_writes(tmp_path):
     assert asyncio.run(other_writer_while_reading(WriteFirstSqliteConfiguration(connection_url=url))) == "database is locked"
 
 
-RUN = textwrap.dedent("""
+TRELLIS_SERVER = textwrap.dedent("""
     from trellis.flows.prefect_settings import use_lean_temporary_server
 
     use_lean_temporary_server()
+""")
+PREFECTS_SERVER = TRELLIS_SERVER + textwrap.dedent("""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer._instances.pop(None)  # the client starts Prefect's own then
+""")
+STEPS = textwrap.dedent("""
     from prefect import flow, task
     from prefect.server.api.server import SubprocessASGIServer
 
@@ -75,6 +82,41 @@ RUN = textwrap.dedent("""
     args = SubprocessASGIServer._instances[None].server_process.args
     print("factory:", args[args.index("--factory") + 1])
 """)
+RUN = TRELLIS_SERVER + STEPS
+
+
+STOP_MID_WRITE = textwrap.dedent("""
+    import sqlite3
+    import threading
+    import time
+
+    from prefect.settings import get_current_settings
+
+    # Hold the database's write lock, run one more task (outside a flow: its states reach the server only as
+    # events), and wait while the recorder's periodic flush of those events (every second) starts and waits
+    # for the lock. Then stop the server as the process's exit would, and let the lock go 1.5 s into the 5 s
+    # that the stop waits for the server.
+    database = sqlite3.connect(get_current_settings().home / "prefect.db", isolation_level=None, check_same_thread=False)
+    database.execute("BEGIN IMMEDIATE")
+    phase(4, 0)
+    time.sleep(2)
+    threading.Timer(1.5, database.rollback).start()
+    SubprocessASGIServer._instances[None].stop()
+""")
+
+
+def run_in_own_process(script: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_LOGGING_LEVEL="WARNING")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
+def recorded_phases(home: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(home / "prefect.db") as database:
+        return sorted(database.execute("SELECT name, state_type FROM task_run WHERE name LIKE 'phase[%'").fetchall())
+
+
+EVERY_PHASE_COMPLETED = sorted((f"phase[step={s}, i={i}]", "COMPLETED") for s in range(4) for i in range(5))
 
 
 @pytest.mark.slow
@@ -82,12 +124,27 @@ def test_a_run_on_the_temporary_server_records_every_task_run(tmp_path):
     """A run of 4 step flow runs of 5 tasks each, in a process of its own that exits right after the run
     (its server is stopped then); its database, read once the process is gone, holds all 20 task runs,
     completed, and the run printed no error."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PREFECT_LOGGING_LEVEL="WARNING")
-    done = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=600)
+    done = run_in_own_process(RUN, tmp_path / "home")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "factory: trellis.flows.temporary_server:create_app" in done.stdout
-    with sqlite3.connect(tmp_path / "home" / "prefect.db") as database:
-        rows = database.execute("SELECT name, state_type FROM task_run WHERE name LIKE 'phase[%'").fetchall()
-    assert sorted(rows) == sorted((f"phase[step={s}, i={i}]", "COMPLETED") for s in range(4) for i in range(5))
+    assert recorded_phases(tmp_path / "home") == EVERY_PHASE_COMPLETED
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_write_records_every_task_run_and_prints_no_error(tmp_path):
+    """The recorder's write of the run's last events is under way (waiting for a lock this test holds) when
+    the run's server is stopped. Tried on Prefect's own temporary server too: it prints the
+    cancelled write as an error with a traceback, and it too records every task run (its last flush writes
+    the events back in the queue), which is why the error is dropped on trellis's."""
+    prefects = run_in_own_process(PREFECTS_SERVER + STEPS + STOP_MID_WRITE, tmp_path / "prefects")
+    assert prefects.returncode == 0, prefects.stdout + prefects.stderr
+    assert "factory: prefect.server.api.server:create_app" in prefects.stdout
+    assert "Error flushing 3 events (3 to retry, 0 dropped)" in prefects.stderr, prefects.stderr[-3000:]
+    assert "CancelledError" in prefects.stderr
+    assert recorded_phases(tmp_path / "prefects") == sorted([*EVERY_PHASE_COMPLETED, ("phase[step=4, i=0]", "COMPLETED")])
+
+    ours = run_in_own_process(RUN + STOP_MID_WRITE, tmp_path / "ours")
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert "Traceback" not in ours.stderr and "Error" not in ours.stderr, ours.stderr[-3000:]
+    assert recorded_phases(tmp_path / "ours") == sorted([*EVERY_PHASE_COMPLETED, ("phase[step=4, i=0]", "COMPLETED")])
