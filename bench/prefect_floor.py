@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for _measure
-from trellis.flows.prefect_settings import use_lean_temporary_server  # noqa: E402
+from trellis.flows.prefect_settings import step_loop_settings, use_lean_temporary_server  # noqa: E402
 
 use_lean_temporary_server()
 
@@ -36,7 +36,7 @@ import typer  # noqa: E402
 from _measure import StepClock  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
+from prefect.settings import temporary_settings  # noqa: E402
 
 WARMUP = 3
 
@@ -55,7 +55,7 @@ def step_flow(step: int, tasks: int, work_s: float, parameters: dict) -> float:
 @flow(name="run", persist_result=False)
 def run_flow(steps: int, tasks: int, work_s: float, parameters: dict) -> list[float]:
     starts = []
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with temporary_settings(step_loop_settings()):  # as rl_run calls its steps
         for step in range(steps):
             starts.append(time.perf_counter())
             step_flow(step, tasks, work_s, parameters)

@@ -14,13 +14,14 @@ these flows add Prefect around them: a flow run per attempt and per step, tasks 
 from __future__ import annotations
 
 from prefect import flow
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.settings import temporary_settings
 
 from trellis.engine.config import TrellisConfig
 from trellis.engine.run.metrics import RunCounters
 from trellis.engine.run.plan import RunPlan, plan_step
 from trellis.engine.run.loop import run_steps
 from trellis.engine.run.step import StepOutcome, run_step
+from trellis.flows.prefect_settings import step_loop_settings
 from trellis.tasks.phases import TaskPhases
 from trellis.tasks.run_tasks import (
     attach_workers,
@@ -47,9 +48,7 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     with engine_warnings_in_run_log(config), failures_in_run_log(config) as attempt:
         plan = restore_checkpoint(config, resume, attach_workers(config))
         attempt.started = True
-        # Step flow runs send no heartbeats: this run's own covers them, and each one's heartbeat thread
-        # is joined at the step's end, up to a second per step.
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with temporary_settings(step_loop_settings()):  # no heartbeats a step, and no TLS roots for plain HTTP
             outcomes = run_steps(
                 TaskPhases(config, plan), config, plan, lambda step, counters: rl_step(config, plan, step, counters),
                 progress=attempt,

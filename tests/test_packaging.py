@@ -56,6 +56,7 @@ def test_a_wheel_holds_the_packages_under_trellis_and_imports_beside_a_users_own
     names = set(wheel.namelist())
     sources = {f"trellis/{path.relative_to(ROOT).as_posix()}" for layer in LAYERS for path in (ROOT / layer).rglob("*.py")}
     assert sources <= names
+    assert "trellis/flows/one_root_certificate.pem" in names  # package data: flows.prefect_settings reads it
     assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"trellis"}
     wheel.extractall(tmp_path / "site")
     imported = isolated_import(user_folder(tmp_path / "project"), tmp_path / "site")

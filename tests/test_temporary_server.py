@@ -148,3 +148,22 @@ def test_a_server_stopped_mid_write_records_every_task_run_and_prints_no_error(t
     assert ours.returncode == 0, ours.stdout + ours.stderr
     assert "Traceback" not in ours.stderr and "Error" not in ours.stderr, ours.stderr[-3000:]
     assert recorded_phases(tmp_path / "ours") == sorted([*EVERY_PHASE_COMPLETED, ("phase[step=4, i=0]", "COMPLETED")])
+
+
+def test_the_step_loop_reads_one_ca_certificate_over_plain_http_and_the_machines_over_https():
+    """Prefect's client loads its CA file for every client it makes, even for an http:// API. Tried: the
+    temporary server (no API URL), a server on loopback over HTTP, and one over HTTPS, whose CA file must
+    stay the one Prefect would read without trellis."""
+    import ssl
+
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from trellis.flows.prefect_settings import ONE_CERTIFICATE_FILE, step_loop_settings
+
+    assert ONE_CERTIFICATE_FILE.read_text().count("BEGIN CERTIFICATE") == 1
+    assert ssl.create_default_context(cafile=str(ONE_CERTIFICATE_FILE)).cert_store_stats()["x509_ca"] == 1
+    for url in (None, "http://127.0.0.1:4200/api"):
+        with temporary_settings({PREFECT_API_URL: url}):
+            assert step_loop_settings() == {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_API_SSL_CERT_FILE: str(ONE_CERTIFICATE_FILE)}
+    with temporary_settings({PREFECT_API_URL: "https://prefect.example.com/api"}):
+        assert step_loop_settings() == {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
