@@ -87,21 +87,25 @@ RUN = TRELLIS_SERVER + STEPS
 
 STOP_MID_WRITE = textwrap.dedent("""
     import sqlite3
-    import threading
     import time
 
     from prefect.settings import get_current_settings
 
-    # Hold the database's write lock, run one more task (outside a flow: its states reach the server only as
-    # events), and wait while the recorder's periodic flush of those events (every second) starts and waits
-    # for the lock. Then stop the server as the process's exit would, and let the lock go 1.5 s into the 5 s
-    # that the stop waits for the server.
-    database = sqlite3.connect(get_current_settings().home / "prefect.db", isolation_level=None, check_same_thread=False)
+    # Hold the database's write lock and run one more task (outside a flow: its states reach the server only
+    # as events). The recorder's periodic flush of those events (every second) starts and waits for the lock.
+    # Then stop the server as the process's exit would (SIGTERM), but without the 5 s after which that stop
+    # kills it, and let the lock go while the stop has cancelled the flush: the whole hold stays well inside
+    # the 10 s for which a SQLite write of Prefect's waits for a lock.
+    database = sqlite3.connect(get_current_settings().home / "prefect.db", isolation_level=None)
     database.execute("BEGIN IMMEDIATE")
     phase(4, 0)
-    time.sleep(2)
-    threading.Timer(1.5, database.rollback).start()
-    SubprocessASGIServer._instances[None].stop()
+    time.sleep(2.5)
+    server = SubprocessASGIServer._instances[None]
+    server.server_process.terminate()
+    time.sleep(2.5)
+    database.rollback()
+    server.server_process.wait(timeout=120)
+    server.stop()
 """)
 
 
