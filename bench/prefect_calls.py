@@ -131,7 +131,7 @@ def instrument() -> None:
 
 def sample_cpu(samples: list[tuple[float, float, float]]) -> None:  # (time, CPU-s of the driver, of the Prefect server)
     driver = psutil.Process()
-    server = next(c for c in driver.children(recursive=True) if "prefect.server" in " ".join(c.cmdline()))
+    server = next(c for c in driver.children(recursive=True) if "uvicorn" in c.cmdline())  # the temporary Prefect server
     while RECORDING.wait() and not time.sleep(0.1):
         samples.append((time.time(), sum(driver.cpu_times()[:2]), sum(server.cpu_times()[:2])))
 

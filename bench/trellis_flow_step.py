@@ -14,6 +14,7 @@ early where the config's default says, unless ``TRELLIS_BENCH_OVERLAP`` is 1 or 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -82,12 +83,15 @@ def overlap_next_rollout() -> bool | None:
 
 async def step_starts(since_s: float) -> dict[int, float]:
     """Start times of this bench's rl_step flow runs (the local Prefect database keeps older ones)."""
+    starts: dict[int, float] = {}
     async with get_client() as client:
-        runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=200)
-    starts = {}
-    for run in runs:
-        if run.name.startswith("rl_step[step=") and run.start_time is not None and run.start_time.timestamp() >= since_s:
-            starts[int(run.name.split("=")[1].rstrip("]"))] = run.start_time.timestamp()
+        for offset in itertools.count(0, 200):  # the API's largest page
+            runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=200, offset=offset)
+            for run in runs:
+                if run.name.startswith("rl_step[step=") and run.start_time is not None and run.start_time.timestamp() >= since_s:
+                    starts[int(run.name.split("=")[1].rstrip("]"))] = run.start_time.timestamp()
+            if len(runs) < 200 or any(run.start_time is not None and run.start_time.timestamp() < since_s for run in runs):
+                return starts
     return starts
 
 

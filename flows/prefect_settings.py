@@ -17,6 +17,7 @@ loop that calls the step flow runs, set in that process only.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,17 @@ def use_lean_temporary_server() -> None:
     from trellis.flows.temporary_server import use_temporary_server
 
     use_temporary_server()
+
+
+def on_trellis_temporary_server() -> bool:
+    """Whether this process's Prefect client talks to trellis's temporary server (no API URL set, and
+    ``use_lean_temporary_server`` put that server in place), whose writes take the SQLite lock first."""
+    from prefect.settings import get_current_settings
+
+    server = sys.modules.get("trellis.flows.temporary_server")  # not imported: not in place
+    if server is None or get_current_settings().api.url is not None:
+        return False
+    return isinstance(server.SubprocessASGIServer._instances.get(None), server.TemporaryServer)
 
 
 # One public root certificate (ISRG Root X1, copied from certifi's bundle): never used to verify anything.

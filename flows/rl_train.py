@@ -21,7 +21,8 @@ from trellis.engine.run.metrics import RunCounters
 from trellis.engine.run.plan import RunPlan, plan_step
 from trellis.engine.run.loop import run_steps
 from trellis.engine.run.step import StepOutcome, run_step
-from trellis.flows.prefect_settings import step_loop_settings
+from trellis.flows.prefect_settings import on_trellis_temporary_server, step_loop_settings
+from trellis.tasks.artifact_posts import posting_in_background
 from trellis.tasks.phases import TaskPhases
 from trellis.tasks.run_tasks import (
     attach_workers,
@@ -45,10 +46,12 @@ def rl_run(config: TrellisConfig, resume: bool = False) -> dict[str, float]:
     ``rl_step`` flow run per step. A Prefect retry of a failed attempt resumes from the latest complete
     checkpoint, if the failed attempt got past its start decision; a failure is written to the run log
     with what happens next."""
-    with engine_warnings_in_run_log(config), failures_in_run_log(config) as attempt:
+    with engine_warnings_in_run_log(config) as run_log, failures_in_run_log(config) as attempt:
         plan = restore_checkpoint(config, resume, attach_workers(config))
         attempt.started = True
-        with temporary_settings(step_loop_settings()):  # no heartbeats a step, and no TLS roots for plain HTTP
+        # No heartbeats a step, no TLS roots for plain HTTP, and the steps' artifacts posted without waiting
+        # where the server lets them (tasks.artifact_posts).
+        with temporary_settings(step_loop_settings()), posting_in_background(on_trellis_temporary_server(), run_log.warning):
             outcomes = run_steps(
                 TaskPhases(config, plan), config, plan, lambda step, counters: rl_step(config, plan, step, counters),
                 progress=attempt,

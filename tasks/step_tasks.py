@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prefect import Task, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import LinkArtifact, TableArtifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
@@ -25,6 +25,7 @@ from trellis.engine.run.plan import RunPlan
 from trellis.engine.run.rollback import StabilityGuardTripped, rolled_back_page
 from trellis.engine.run.run_log import run_log_for
 from trellis.engine.weights.attestation import WeightAttestationError
+from trellis.tasks.artifact_posts import post
 from trellis.tasks.artifacts import artifact_key, storage_link
 
 NOT_STORED = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -46,27 +47,27 @@ def task_options(retries: Retries) -> dict[str, Any]:
 
 
 def _metrics_table(config: TrellisConfig, step: int, inputs: tuple, logged: Any) -> None:
-    create_table_artifact(
+    post(TableArtifact(
         key=artifact_key(config, "step-metrics"),
         table=[{"metric": k, "value": round(v, 6)} for k, v in sorted(logged.metrics.items())],
         description=f"{config.experiment_name}: metrics of step {step}",
-    )
+    ))
 
 
 def _step_links(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> None:
     (record,) = inputs
     for name, uri in record.links.items():
-        create_link_artifact(key=artifact_key(config, name), link=storage_link(config, uri), link_text=f"{name} of step {step}: {uri}")
+        post(LinkArtifact(key=artifact_key(config, name), link=storage_link(config, uri), link_text=f"{name} of step {step}: {uri}"))
 
 
 def _checkpoint_link(config: TrellisConfig, step: int, inputs: tuple, uri: Any) -> None:
-    create_link_artifact(key=artifact_key(config, "checkpoint"), link=storage_link(config, uri), link_text=f"checkpoint of step {step}: {uri}")
+    post(LinkArtifact(key=artifact_key(config, "checkpoint"), link=storage_link(config, uri), link_text=f"checkpoint of step {step}: {uri}"))
 
 
 def _eval_link(config: TrellisConfig, step: int, inputs: tuple, result: Any) -> None:
     (evaluation,) = inputs
-    create_link_artifact(key=artifact_key(config, "eval-trajectories"), link=storage_link(config, evaluation.uri),
-                         link_text=f"eval trajectories of step {step}: {evaluation.uri}")
+    post(LinkArtifact(key=artifact_key(config, "eval-trajectories"), link=storage_link(config, evaluation.uri),
+                      link_text=f"eval trajectories of step {step}: {evaluation.uri}"))
 
 
 def _guard_page(config: TrellisConfig, step: int, inputs: tuple, rolled: Any) -> None:

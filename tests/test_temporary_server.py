@@ -5,6 +5,7 @@ time the run's process has exited."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import subprocess
@@ -172,3 +173,79 @@ def test_the_step_loop_reads_one_ca_certificate_over_plain_http_and_the_machines
             assert step_loop_settings() == {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_API_SSL_CERT_FILE: str(ONE_CERTIFICATE_FILE)}
     with temporary_settings({PREFECT_API_URL: "https://prefect.example.com/api"}):
         assert step_loop_settings() == {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+
+
+BACKGROUND_POSTS = textwrap.dedent("""
+    import sqlite3
+
+    from prefect import flow, task
+    from prefect.artifacts import LinkArtifact, TableArtifact
+    from prefect.settings import get_current_settings
+
+    from trellis.flows.prefect_settings import on_trellis_temporary_server
+    from trellis.tasks.artifact_posts import post, posting_in_background
+
+    @task(task_run_name="publish[{i}]")
+    def publish(i: int) -> None:
+        # The database's write lock is held while the task posts: a post the task waited for would wait for
+        # that lock, which this thread lets go only after posting.
+        database = sqlite3.connect(get_current_settings().home / "prefect.db", isolation_level=None)
+        database.execute("BEGIN IMMEDIATE")
+        post(TableArtifact(key="metrics", table=[{"step": i}]))
+        post(LinkArtifact(key="trajectories", link=f"file:///run/step={i}"))
+        print(f"publish[{i}] posted with the database locked")
+        database.rollback()
+
+    @flow
+    def run() -> None:
+        for i in range(3):
+            publish(i)
+
+    warnings = []
+    print("on trellis's temporary server:", on_trellis_temporary_server())
+    with posting_in_background(on_trellis_temporary_server(), warnings.append):
+        run()
+    print("warnings:", warnings)
+""")
+
+
+@pytest.mark.slow
+def test_step_artifacts_post_while_the_database_is_locked_and_are_all_recorded_in_order(tmp_path):
+    """On trellis's temporary server a step's artifacts do not hold the step up: each task posts two while
+    the database's write lock is held (by the task itself, so a post it waited for could never finish).
+    Once the posting block has ended, every artifact is recorded, in the order posted, linked to the task
+    run and the flow run that posted it. With the block disabled (each post waited for, as on a server
+    trellis did not start), the same script never got past the lock (tried: still waiting after 120 s)."""
+    done = run_in_own_process(TRELLIS_SERVER + BACKGROUND_POSTS, tmp_path / "home")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "on trellis's temporary server: True" in done.stdout
+    assert all(f"publish[{i}] posted with the database locked" in done.stdout for i in range(3))
+    assert "warnings: []" in done.stdout
+    with sqlite3.connect(tmp_path / "home" / "prefect.db") as database:
+        rows = database.execute(
+            "SELECT artifact.key, artifact.data, task_run.name, task_run.flow_run_id = artifact.flow_run_id FROM artifact"
+            " JOIN task_run ON task_run.id = artifact.task_run_id ORDER BY artifact.created").fetchall()
+    rows = [(key, json.loads(data), task_run, same_flow_run) for key, data, task_run, same_flow_run in rows]  # a JSON column
+    expected = []
+    for i in range(3):
+        expected += [("metrics", f'[{{"step": {i}}}]', f"publish[{i}]", 1),
+                     ("trajectories", f"[file:///run/step={i}](file:///run/step={i})", f"publish[{i}]", 1)]
+    assert rows == expected
+
+
+def test_a_post_the_api_does_not_take_is_a_warning_and_the_next_posts_are_still_tried():
+    """Tried: an API that nobody serves (a closed loopback port), with the client's retries off. Each post
+    is a warning naming its artifact; closing the poster returns once all were tried."""
+    from prefect.client.schemas.actions import ArtifactCreate
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from trellis.tasks.artifact_posts import BackgroundPoster
+
+    warnings: list[str] = []
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        poster = BackgroundPoster(warnings.append)
+    for key in ("metrics", "trajectories"):
+        poster.put(ArtifactCreate(key=key, type="table", data="[]"))
+    poster.close(timeout_s=60)
+    assert [w.split(":")[0] for w in warnings] == [f"The Prefect artifact {k!r} was not posted" for k in ("metrics", "trajectories")]
+    assert all("ConnectError" in w for w in warnings), warnings
