@@ -127,11 +127,23 @@ _PREFECT_LEVELS = {"STEP": logging.INFO, "INFO": logging.INFO, "WARNING": loggin
 
 
 def _to_prefect_logger(level: str, text: str) -> None:
+    """A run log line to the flow or task run writing it. Prefect's run loggers follow
+    ``PREFECT_LOGGING_LEVEL``, which ``trellis train`` raises to WARNING to keep the engine's own lines
+    ("Finished in state Completed()") off its console; below that level a run log line still goes to the
+    run logger's own handlers (by default the API's, so the UI shows it), not to the console."""
     try:
         logger = get_run_logger()
     except MissingContextError:  # written outside any flow or task run
         return
-    logger.log(_PREFECT_LEVELS.get(level, logging.INFO), text)
+    number = _PREFECT_LEVELS.get(level, logging.INFO)
+    if logger.isEnabledFor(number):
+        logger.log(number, text)
+        return
+    message, kwargs = logger.process(text, {})
+    record = logger.logger.makeRecord(logger.logger.name, number, __name__, 0, message, None, None, extra=kwargs["extra"])
+    for handler in logger.logger.handlers:
+        if number >= handler.level:
+            handler.handle(record)
 
 
 @dataclass

@@ -107,6 +107,41 @@ def test_three_steps_of_the_real_flow(tiny_model, reverse_data, tmp_path, ray_cl
     assert f"OpenTelemetry trace {step_spans[1]['context']['trace_id'][2:]} (step 1)" in flow_logs
 
 
+def test_run_log_lines_reach_the_ui_while_prefect_logs_only_warnings(prefect_api, capfd):
+    """`trellis train` sets PREFECT_LOGGING_LEVEL=WARNING, which keeps Prefect's own line per task run off its
+    console. Tried: Prefect's logger at WARNING and a task writing a step line and a warning to the run log's
+    Prefect side. Both are in the task run's logs on the server; the step line was not printed to the console."""
+    import logging
+
+    from prefect import flow, task
+    from prefect.logging.handlers import APILogHandler
+    from prefect.runtime import task_run
+
+    from trellis.tasks.run_tasks import _to_prefect_logger
+
+    @task
+    def writes() -> str:
+        _to_prefect_logger("STEP", "step 1/3 reward 0.5")
+        _to_prefect_logger("WARNING", "a worker was replaced")
+        return task_run.get_id()
+
+    @flow
+    def run() -> str:
+        return writes()
+
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    prefect_logger.setLevel(logging.WARNING)
+    try:
+        writer = run()
+    finally:
+        prefect_logger.setLevel(level)
+    APILogHandler().flush()
+    messages = [log.message for log in await_(read_logs([UUID(writer)]))]
+    assert "step 1/3 reward 0.5" in messages and "a worker was replaced" in messages
+    assert "step 1/3 reward 0.5" not in capfd.readouterr().err
+
+
 async def read_logs(task_run_ids: list) -> list:
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
