@@ -68,9 +68,8 @@ REMEDIES = [
      "workers have work meanwhile (cluster.overlap_next_rollout=true launches rollout N+1 before log_step N; off on CPU by default: try "
      "--overlap-next-rollout), or get divided by k with k steps per flow run."),
     (("POST /artifacts/",),
-     "log_step's create_table_artifact and create_link_artifact (sync client, main thread). Send them without waiting: acreate_*_artifact via "
-     "run_coro_as_sync(..., wait_for_result=False) (the coroutine copies the TaskRunContext, so the artifact still links to the task run), or "
-     "post them from the ControllerActor beside log_metrics; batch: fold the link into the table artifact (no bulk create route)."),
+     "log_step's metrics table and links: on trellis's temporary server posted by the trellis-artifact-posts thread since 7f196a6 "
+     "(tasks.artifact_posts), so nobody waits for them; on a server of your own posted by the main thread while the step waits."),
 ]
 
 
