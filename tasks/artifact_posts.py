@@ -8,11 +8,12 @@ each post to one thread with a client of its own, in order, and the block's end 
 posted. A post that fails, after the client's own retries, is a warning in the run's log, never a
 failed step.
 
-The flow enables it only on trellis's temporary server (``flows.temporary_server.serves_this_process``). Its SQLite transactions take the write
-lock first, so a post that lands beside one of the step's own requests waits its turn. On a server
-whose transactions begin ``DEFERRED`` (Prefect's own SQLite server) the same collision fails the step's
-request with a 503, which Prefect's client retries 2 s later; there, and on any server trellis did not
-start, each artifact is posted while the step waits, as Prefect's ``create_*_artifact`` do.
+The flow enables it only on trellis's temporary server (``flows.prefect_settings.on_trellis_temporary_server``).
+Its SQLite transactions take the write lock first, so a post that lands beside one of the step's own
+requests waits its turn. On a server whose transactions begin ``DEFERRED`` (Prefect's own SQLite server)
+the same collision fails the step's request with a 503, which Prefect's client retries 2 s later; there,
+and on any server trellis did not start, each artifact is posted while the step waits, as Prefect's
+``create_*_artifact`` do.
 """
 
 from __future__ import annotations
