@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -91,7 +91,7 @@ def main() -> None:
             for round_ in range(1, args.rounds + 1):
                 for side in ("A", "B") if round_ % 2 else ("B", "A"):
                     since_s, cpu_before = time.time(), tree_cpu_s()
-                    with changed() if side == "B" else _nothing():
+                    with changed() if side == "B" else nullcontext():
                         flow_bench.rl_train(config.model_copy(update={"total_train_steps": done + args.block}))
                     cpu_s = tree_cpu_s() - cpu_before
                     starts = asyncio.run(flow_bench.step_starts(since_s))
@@ -109,11 +109,6 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(dict(variant=args.variant, rounds=args.rounds, block=args.block, blocks=blocks,
                                               summary=report), indent=1))
     print("\n".join(report))
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def summarize(blocks: list[dict], variant: str) -> list[str]:
