@@ -33,13 +33,12 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trellis_flow_step as flow_bench  # noqa: E402  (first: it sets the lean server's settings before Prefect loads)
 
-import psutil  # noqa: E402
 import ray  # noqa: E402
 from _compare import with_spread  # noqa: E402
+from _measure import StepClock  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
 import trellis.flows.rl_train as rl_train_module  # noqa: E402
-from trellis.engine.config.loading import load_config  # noqa: E402
 
 
 @contextmanager
@@ -53,16 +52,6 @@ def artifacts_inline() -> Iterator[None]:
 
 
 VARIANTS = {"artifacts-inline": artifacts_inline}
-
-
-def tree_cpu_s() -> float:
-    process, total = psutil.Process(), 0.0
-    for p in [process, *process.children(recursive=True)]:
-        try:
-            total += sum(p.cpu_times()[:2])
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def main() -> None:
@@ -79,21 +68,17 @@ def main() -> None:
     blocks: list[dict] = []
     try:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            config = load_config(  # trellis_flow_step.py's config
-                None, load_from=args.model_dir, train_dataset={"path": args.train_path}, total_train_steps=flow_bench.WARMUP_STEPS,
-                reward={"function": "trellis.engine.tiny.reverse_task:score"}, train_batch_size=16, prompt_repeat_k=8,
-                optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
-                cluster={"address": address, "release_workers_at_end": False},
-                rollout={"temperature": 1.0, "max_new_tokens": 8},
-            )
+            config = flow_bench.flow_step_config(args.model_dir, args.train_path, tmp, address)
             flow_bench.rl_train(config)
-            done = flow_bench.WARMUP_STEPS
+            done, clock = flow_bench.WARMUP_STEPS, StepClock()
             for round_ in range(1, args.rounds + 1):
                 for side in ("A", "B") if round_ % 2 else ("B", "A"):
-                    since_s, cpu_before = time.time(), tree_cpu_s()
+                    since_s = time.time()
+                    clock.start()  # its CPU is the whole process tree's: Prefect's server and Ray's processes included
                     with changed() if side == "B" else nullcontext():
                         flow_bench.rl_train(config.model_copy(update={"total_train_steps": done + args.block}))
-                    cpu_s = tree_cpu_s() - cpu_before
+                    clock.stop()
+                    cpu_s = clock.cpu[-1]
                     starts = asyncio.run(flow_bench.step_starts(since_s))
                     steps = range(done + 2, done + args.block)  # from the block's second step; the last has no successor
                     walls = [starts[s + 1] - starts[s] for s in steps]

@@ -41,7 +41,6 @@ from prefect._internal.concurrency.calls import Call, current_call  # noqa: E402
 from prefect.events.clients import EventsClient, PrefectEventsClient  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
-from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.engine.tiny.model import build_tiny_checkpoint  # noqa: E402
 from trellis.engine.tiny.reverse_task import write_dataset  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
@@ -139,13 +138,7 @@ def measure(root: Path, steps: int, overlap: bool) -> dict:
     head, address = flow_bench.start_head()
     try:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            config = load_config(  # trellis_flow_step.py's config
-                None, load_from=str(root / "tiny"), train_dataset={"path": str(root / "train.parquet")},
-                reward={"function": "trellis.engine.tiny.reverse_task:score"},
-                total_train_steps=flow_bench.WARMUP_STEPS, train_batch_size=16, prompt_repeat_k=8,
-                rollout={"temperature": 1.0, "max_new_tokens": 8}, optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp,
-                experiment_name="bench", exp_tracker="jsonl", cluster=dict(address=address, release_workers_at_end=False, overlap_next_rollout=overlap or None),
-            )
+            config = flow_bench.flow_step_config(str(root / "tiny"), str(root / "train.parquet"), tmp, address, overlap=overlap or None)
             rl_train(config)
             cpu: list[tuple[float, float, float]] = []
             threading.Thread(target=sample_cpu, args=(cpu,), daemon=True).start()

@@ -14,7 +14,6 @@ early where the config's default says, unless ``TRELLIS_BENCH_OVERLAP`` is 1 or 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.sorting import FlowRunSort  # noqa: E402
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 
+from trellis.engine.config import TrellisConfig  # noqa: E402
 from trellis.engine.config.loading import load_config  # noqa: E402
 from trellis.engine.run.plan import ROLES  # noqa: E402
 from trellis.flows.rl_train import rl_train  # noqa: E402
@@ -85,32 +85,40 @@ async def step_starts(since_s: float) -> dict[int, float]:
     """Start times of this bench's rl_step flow runs (the local Prefect database keeps older ones)."""
     starts: dict[int, float] = {}
     async with get_client() as client:
-        for offset in itertools.count(0, 200):  # the API's largest page
+        offset = 0
+        while True:  # newest first, a page of the API's largest size at a time, back to the first run before since_s
             runs = await client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=200, offset=offset)
             for run in runs:
                 if run.name.startswith("rl_step[step=") and run.start_time is not None and run.start_time.timestamp() >= since_s:
                     starts[int(run.name.split("=")[1].rstrip("]"))] = run.start_time.timestamp()
             if len(runs) < 200 or any(run.start_time is not None and run.start_time.timestamp() < since_s for run in runs):
                 return starts
-    return starts
+            offset += 200
+
+
+def flow_step_config(model_dir: str, train_path: str, work_dir: str, address: str, *, overlap: bool | None = None,
+                     attest: bool | None = None, health_check_interval: int = 0) -> TrellisConfig:
+    """The measured flow step's config (the one the flow benches share), for WARMUP_STEPS steps on the Ray head
+    at ``address``; the workers stay up after the run, so that the next ``rl_train`` re-attaches."""
+    return load_config(
+        None, load_from=model_dir, train_dataset={"path": train_path}, total_train_steps=WARMUP_STEPS,
+        reward={"function": "trellis.engine.tiny.reverse_task:score"},
+        train_batch_size=16, prompt_repeat_k=8,
+        optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=work_dir, experiment_name="bench", exp_tracker="jsonl",
+        cluster={"address": address, "release_workers_at_end": False, "overlap_next_rollout": overlap},
+        attest={"enabled": attest},
+        rollout={"temperature": 1.0, "max_new_tokens": 8, "health_check": {"interval": health_check_interval}},
+    )
 
 
 def main(model_dir: str, train_path: str, steps: int, out: str, attest: bool | None = None) -> None:
     head, address = start_head()
     try:
         with tempfile.TemporaryDirectory() as tmp, temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            config = load_config(
-                None, load_from=model_dir, train_dataset={"path": train_path}, total_train_steps=WARMUP_STEPS,
-                reward={"function": "trellis.engine.tiny.reverse_task:score"},
-                train_batch_size=16, prompt_repeat_k=8,
-                optim={"lr": 3e-4, "max_grad_norm": 1.0}, work_dir=tmp, experiment_name="bench", exp_tracker="jsonl",
-                cluster={"address": address, "release_workers_at_end": False, "overlap_next_rollout": overlap_next_rollout()},
-                attest={"enabled": attest},
-                # TRELLIS_BENCH_HEALTH_CHECK=1: the rollout health check's task every step (off on CPU by
-                # default), for what it costs the step (cpu_step.py).
-                rollout={"temperature": 1.0, "max_new_tokens": 8,
-                         "health_check": {"interval": int(os.environ.get("TRELLIS_BENCH_HEALTH_CHECK", "0"))}},
-            )
+            # TRELLIS_BENCH_HEALTH_CHECK=1: the rollout health check's task every step (off on CPU by default), for
+            # what it costs the step (cpu_step.py).
+            config = flow_step_config(model_dir, train_path, tmp, address, overlap=overlap_next_rollout(), attest=attest,
+                                      health_check_interval=int(os.environ.get("TRELLIS_BENCH_HEALTH_CHECK", "0")))
             rl_train(config)
             clock = StepClock()
             since_s = time.time()
